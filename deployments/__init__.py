@@ -1,0 +1,1 @@
+"""Deployment helpers; `prefect.yaml` at the repository root defines the deployments."""

@@ -1,0 +1,55 @@
+"""The `ft-train` flow: one flow run is one training run, named after `run_config.name`.
+
+It only sequences the tasks: prepare (rehydrate by name), provision workers, train one segment
+per checkpoint (a task run each; retries of it are the restarts, capped by what is left of
+max_failures), finalize. A rerun with the same (storage_path, name) resumes; a finished run is
+returned without training again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Union
+
+from prefect import flow
+
+import ft_train
+from ft_train.driver import make_controller
+from tasks import finalize, prepare_run, provision_workers, train_segment
+
+
+@flow(name="ft-train", flow_run_name="{run_config.name}")
+def train(
+    train_loop: Union[str, Callable],
+    run_config: ft_train.RunConfig,
+    train_loop_config: Optional[dict[str, Any]] = None,
+    scaling_config: ft_train.ScalingConfig = ft_train.ScalingConfig(),
+    cluster: ft_train.ClusterConfig = ft_train.ClusterConfig(),
+) -> ft_train.TrainResult:
+    """Fault-tolerant distributed PyTorch training.
+
+    Args:
+        train_loop: the training function, as 'package.module:function' (a callable is accepted
+            in a Python call); it runs on every rank with `train_loop_config`.
+        run_config: the run's identity (storage_path, name), failure and checkpoint settings.
+        train_loop_config: JSON-serialisable settings passed to the training function.
+        scaling_config: how many ranks, CPU or GPU.
+        cluster: a local Dask cluster (default) or the address of an existing one.
+    """
+    plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
+    if plan.finished:
+        return finalize(plan)
+    with contextlib.ExitStack() as stack:
+        client = provision_workers(cluster, scaling_config, stack)
+        controller = make_controller(plan, client)
+        try:
+            segment, kind = 0, "checkpoint"
+            while kind != "finished":
+                segment += 1
+                retries = controller.retries_left()
+                step = train_segment.with_options(retries=retries, retry_delay_seconds=0)
+                kind = step(controller, segment).kind
+        except BaseException as e:
+            controller.abort(e)  # stop the ranks; record why (Ctrl+C is not charged)
+            raise
+    return finalize(plan)

@@ -1,0 +1,111 @@
+"""`Checkpoint`: a directory of files, local or on storage, and how a rank gets at it.
+
+A committed checkpoint lives at `{storage_path}/{name}/{dir_name}/` and holds the files of every
+rank that attached one in its report round plus `MANIFEST` (files, sizes, sha256), written last.
+Reading goes through the manifest: only listed files are fetched and each is verified, so a
+half-written directory can never be restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Iterator, Optional
+
+from .errors import StorageError
+from .storage import Storage, file_digest
+
+MANIFEST = ".ft_manifest.json"
+
+
+class Checkpoint:
+    """A checkpoint directory: `path` is a local directory or a URL, read with `storage_options`."""
+
+    def __init__(self, path: str, storage_options: Optional[dict[str, Any]] = None):
+        self.path = str(path)
+        self.storage_options = dict(storage_options or {})
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
+        path = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"Checkpoint.from_directory: {path} is not a directory")
+        return cls(path)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Checkpoint) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def _storage(self) -> Storage:
+        return Storage(self.path, self.storage_options)
+
+    def manifest(self) -> dict[str, Any]:
+        raw = self._storage().read_bytes(MANIFEST)
+        if raw is None:
+            raise StorageError(f"{self.path} has no {MANIFEST}: it was never committed")
+        return json.loads(raw)
+
+    def _is_local(self) -> bool:
+        return "://" not in self.path or self.path.startswith("file://")
+
+    @contextlib.contextmanager
+    def as_directory(self) -> Iterator[str]:
+        """A local directory with the checkpoint's files, for reading only.
+
+        A local checkpoint is yielded in place. A remote one is downloaded once per node into a
+        cache shared by the ranks of that node, and verified against its manifest.
+        """
+        if self._is_local():
+            yield self._storage().full("")
+        else:
+            yield self._download_once()
+
+    def to_directory(self, path: Optional[str] = None) -> str:
+        """Copy the checkpoint into `path` (a new temporary directory by default); return it."""
+        path = path or tempfile.mkdtemp(prefix="ft-train-checkpoint-")
+        with self.as_directory() as src:
+            shutil.copytree(src, path, dirs_exist_ok=True)
+        return path
+
+    def _download_once(self) -> str:
+        key = hashlib.sha256(self.path.encode()).hexdigest()[:20]
+        cache = os.path.join(tempfile.gettempdir(), "ft-train-cache")
+        os.makedirs(cache, exist_ok=True)
+        final = os.path.join(cache, key)
+        # One download per node: the first rank holds the lock, the others wait and reuse it.
+        with open(final + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.isdir(final):
+                partial = f"{final}.partial-{uuid.uuid4().hex[:8]}"
+                try:
+                    self.download_verified(partial)
+                    os.replace(partial, final)  # a reader sees all files or no directory
+                finally:
+                    shutil.rmtree(partial, ignore_errors=True)
+        return final
+
+    def download_verified(self, local_dir: str) -> None:
+        """Fetch the manifest's files into `local_dir` and check every size and checksum."""
+        manifest = self.manifest()
+        files = manifest["files"]
+        self._storage().download_files("", sorted(files), local_dir)
+        for rel, want in files.items():
+            got = file_digest(os.path.join(local_dir, rel))
+            if got != {"size": want["size"], "sha256": want["sha256"]}:
+                raise StorageError(
+                    f"{self.path}/{rel} does not match its manifest (size {got['size']} vs "
+                    f"{want['size']}): the stored checkpoint is damaged"
+                )
+        with open(os.path.join(local_dir, MANIFEST), "w") as f:
+            json.dump(manifest, f)

@@ -1,0 +1,109 @@
+"""The commit protocol for checkpoints, and retention. Driver side.
+
+A report round with a checkpoint is committed in this order; each step is a crash point after
+which the previous committed checkpoint is still the one a restore finds:
+
+  1. every rank has uploaded its files into `{name}/{dir_name}/` (done before it reported);
+     `dir_name` carries the attempt, so a directory never mixes files from two attempts;
+  2. the manifest (files, sizes, sha256) is written last inside the directory: a single PUT;
+  3. the run state now references the checkpoint (and no longer references any that
+     retention drops): one atomic write. This is the commit point;
+  4. only then are dropped checkpoints deleted. A crash here leaves orphan directories,
+     never a run state that points at a deleted checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Optional
+
+from .checkpoint import MANIFEST
+from .config import CheckpointConfig
+from .run_state import CheckpointEntry, RunState, RunStore, now
+from .storage import FileInfo, Storage
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint_\d{6,}-a\d+-[0-9a-f]+$")
+
+
+def checkpoint_dir_name(report_index: int, attempt: int, attempt_id: str) -> str:
+    return f"checkpoint_{report_index:06d}-a{attempt}-{attempt_id[:8]}"
+
+
+def _score(entry: CheckpointEntry, cfg: CheckpointConfig) -> float:
+    value = entry.metrics.get(cfg.checkpoint_score_attribute)
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return -math.inf  # missing or NaN ranks worst
+    return value if cfg.checkpoint_score_order == "max" else -value
+
+
+def retained(entries: list[CheckpointEntry], latest: str, cfg: CheckpointConfig) -> list[str]:
+    """Names of the checkpoints to keep: the best `num_to_keep`, and always the latest."""
+    if cfg.num_to_keep is None:
+        return [e.dir_name for e in entries]
+    if cfg.checkpoint_score_attribute is None:
+        ranked = sorted(entries, key=lambda e: e.report_index, reverse=True)
+    else:
+        ranked = sorted(entries, key=lambda e: (_score(e, cfg), e.report_index), reverse=True)
+    keep = {e.dir_name for e in ranked[: cfg.num_to_keep]} | {latest}
+    return [e.dir_name for e in entries if e.dir_name in keep]
+
+
+class CheckpointManager:
+    def __init__(self, storage: Storage, store: RunStore, cfg: CheckpointConfig):
+        self.storage, self.store, self.cfg = storage, store, cfg
+
+    def commit(
+        self,
+        state: RunState,
+        dir_name: str,
+        report_index: int,
+        metrics: dict[str, Any],
+        files: dict[str, FileInfo],
+        attempt: int,
+    ) -> list[str]:
+        """Commit one checkpoint (steps 2-4 above); return the names it deleted."""
+        run = self.store.name
+        manifest = {
+            "dir_name": dir_name,
+            "report_index": report_index,
+            "attempt": attempt,
+            "metrics": metrics,
+            "files": files,
+            "committed_at": now().isoformat(),
+        }
+        # 2. the manifest, last of the checkpoint's own files
+        self.storage.write_atomic(f"{run}/{dir_name}/{MANIFEST}", json.dumps(manifest).encode())
+
+        # 3. the commit point: the run state references the new checkpoint
+        entry = CheckpointEntry(
+            dir_name=dir_name, report_index=report_index, metrics=metrics, attempt=attempt
+        )
+        candidates = state.checkpoints + [entry]
+        keep = set(retained(candidates, dir_name, self.cfg))
+        dropped = [e.dir_name for e in candidates if e.dir_name not in keep]
+        state.checkpoints = [e for e in candidates if e.dir_name in keep]
+        state.latest = dir_name
+        state.report_index = report_index
+        self.store.save(state)
+
+        # 4. delete only what the saved state no longer references
+        for name in dropped:
+            self.storage.delete_dir(f"{run}/{name}")
+        return dropped
+
+    def collect_orphans(self, state: RunState) -> list[str]:
+        """Delete checkpoint directories the run state does not reference (crash leftovers)."""
+        referenced = {e.dir_name for e in state.checkpoints}
+        orphans = [
+            n
+            for n in self.storage.list_dir(self.store.name)
+            if CHECKPOINT_DIR.match(n) and n not in referenced
+        ]
+        for name in orphans:
+            self.storage.delete_dir(f"{self.store.name}/{name}")
+        return orphans
+
+    def latest_uri(self, state: RunState) -> Optional[str]:
+        return self.storage.uri(f"{self.store.name}/{state.latest}") if state.latest else None

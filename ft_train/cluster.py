@@ -1,0 +1,101 @@
+"""Provisioning: a Dask client for the run, to a local cluster started here or an existing one.
+
+The local cluster runs one single-threaded worker process per rank, each under a nanny that
+restarts it if it dies. Settings that fault tolerance depends on stay in force for the cluster's
+whole life (nannies read them again each time they restart a worker):
+- `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
+- `worker.daemon: False`: a rank may start processes (`DataLoader(num_workers>0)`).
+For GPUs, one worker per GPU with `CUDA_VISIBLE_DEVICES` set and a `GPU` resource.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import dask
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
+
+from .config import ClusterConfig, ScalingConfig
+from .errors import ConfigError
+
+DASK_SETTINGS = {
+    "distributed.scheduler.allowed-failures": 0,
+    "distributed.worker.daemon": False,
+    "distributed.scheduler.worker-ttl": "60s",
+    # worker processes read it when distributed is imported: keep their logs to errors too
+    # Worker processes read this when they import distributed. A failed rank is reported by the
+    # controller, with its traceback; Dask's own "Compute Failed" would say it twice.
+    "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "critical",
+}
+
+
+def _gpu_cluster(n: int) -> SpecCluster:
+    import torch
+
+    available = torch.cuda.device_count()
+    if available < n:
+        raise ConfigError(
+            f"scaling_config.use_gpu with num_workers={n} needs {n} GPUs; {available} visible. "
+            "Lower num_workers, or use cluster.address for a cluster with more GPUs"
+        )
+    workers = {
+        f"gpu-{i}": {
+            "cls": Nanny,
+            "options": {
+                "host": "127.0.0.1",
+                "nthreads": 1,
+                "resources": {"GPU": 1},
+                "env": {"CUDA_VISIBLE_DEVICES": str(i)},
+                "silence_logs": logging.WARNING,
+            },
+        }
+        for i in range(n)
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
+    return SpecCluster(scheduler=scheduler, workers=workers, silence_logs=logging.ERROR)
+
+
+@contextlib.contextmanager
+def _quiet_dask() -> Iterator[None]:
+    """Dask logs every worker start, restart and close at INFO, and a closed comm with a
+    traceback at shutdown, and a rank's death as an error. The controller reports what matters
+    itself; keep Dask's own errors only."""
+    quiet = {"distributed": logging.ERROR, "distributed.scheduler": logging.CRITICAL}
+    loggers = [logging.getLogger(n) for n in quiet]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(quiet[lg.name])
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Client]:
+    """A client for the run; a cluster started here is closed on exit."""
+    with dask.config.set(DASK_SETTINGS), contextlib.ExitStack() as stack:
+        stack.enter_context(_quiet_dask())
+        if cluster.address is not None:
+            client = stack.enter_context(Client(cluster.address, set_as_default=False))
+        else:
+            n = cluster.n_workers or scaling.num_workers
+            if scaling.use_gpu:
+                local = stack.enter_context(_gpu_cluster(n))
+            else:
+                local = stack.enter_context(
+                    LocalCluster(
+                        n_workers=n,
+                        threads_per_worker=1,
+                        processes=True,
+                        host="127.0.0.1",
+                        dashboard_address=None,
+                        memory_limit=0,
+                        silence_logs=logging.ERROR,
+                    )
+                )
+            client = stack.enter_context(Client(local, set_as_default=False))
+        yield client

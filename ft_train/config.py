@@ -1,0 +1,130 @@
+"""User-facing configuration: pydantic models that are also the Prefect flow's parameters.
+
+Each model is frozen, each field has a description (the Prefect UI renders it as the form's help),
+and each validation error names the field and the fix. Validation happens in the driver before any
+worker starts, so bad input never reaches the cluster or the run's stored state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_STORAGE_PATH = "~/ft_train_results"
+
+# A run name becomes one path segment under storage_path: it must not be able to leave it.
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,@:-]{0,199}$")
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ScalingConfig(_Config):
+    """How many ranks to run, and on what."""
+
+    num_workers: int = Field(1, ge=1, description="Number of training ranks, one per Dask worker.")
+    use_gpu: bool = Field(
+        False, description="One GPU per rank (NCCL); workers need a `GPU` resource or a visible GPU."
+    )
+    worker_start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long to wait for enough Dask workers before a (re)start gives up.",
+    )
+
+
+class FailureConfig(_Config):
+    """How many worker-group failures the run survives."""
+
+    max_failures: int = Field(
+        0,
+        ge=-1,
+        description="Restarts after a rank or worker failure: 0 = none, -1 = unlimited. "
+        "Driver crashes do not count.",
+    )
+
+
+class CheckpointConfig(_Config):
+    """Which committed checkpoints to keep."""
+
+    num_to_keep: Optional[int] = Field(
+        None, ge=1, description="Checkpoints to keep; the latest is always kept. None keeps all."
+    )
+    checkpoint_score_attribute: Optional[str] = Field(
+        None, description="Metric that ranks checkpoints for retention; None keeps the newest."
+    )
+    checkpoint_score_order: Literal["max", "min"] = Field(
+        "max", description="Whether a higher ('max') or lower ('min') score is better."
+    )
+
+
+class RunConfig(_Config):
+    """The identity of a run, `(storage_path, name)`, and how it treats failures and checkpoints."""
+
+    name: str = Field(
+        description="Unique run id. A flow run with the same storage_path and name resumes this run."
+    )
+    storage_path: str = Field(
+        DEFAULT_STORAGE_PATH,
+        description="Where runs live: a local path or any fsspec URL (s3://bucket/prefix).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        repr=False,
+        description="Options for the fsspec filesystem (endpoint_url, key, secret, ...).",
+    )
+    failure_config: FailureConfig = Field(default_factory=FailureConfig)
+    checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_stays_inside_storage(cls, name: str) -> str:
+        if ".." in name or not _NAME_OK.match(name):
+            raise ValueError(
+                f"run_config.name {name!r} is not a valid run name: use 1-200 characters from "
+                "letters, digits and . _ = + , @ : -, starting with a letter or digit, with no '/' "
+                "or '..' (the name is one directory under storage_path), e.g. "
+                "'unique_run_id=da823d5'."
+            )
+        return name
+
+    @field_validator("storage_path")
+    @classmethod
+    def _absolute_storage_path(cls, path: str) -> str:
+        path = path.strip()
+        if not path:
+            raise ValueError(
+                "run_config.storage_path is empty: give a local directory or a URL like s3://bucket/"
+            )
+        if "://" in path:
+            return path.rstrip("/") if not path.endswith("://") else path
+        # Ranks may run with another working directory: pin a local path down here, once.
+        return os.path.abspath(os.path.expanduser(path))
+
+
+class ClusterConfig(_Config):
+    """Where the ranks run: a local Dask cluster started for the run, or an existing one."""
+
+    address: Optional[str] = Field(
+        None,
+        description="Scheduler address of an existing Dask cluster (tcp://host:8786). "
+        "None starts a local cluster sized to the run and stops it at the end.",
+    )
+    n_workers: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Workers of the local cluster; default: scaling_config.num_workers. "
+        "Ignored with `address`.",
+    )
+
+    @model_validator(mode="after")
+    def _address_is_a_url(self) -> "ClusterConfig":
+        if self.address is not None and "://" not in self.address:
+            raise ValueError(
+                f"cluster.address {self.address!r} must be a scheduler URL like tcp://host:8786"
+            )
+        return self

@@ -1,0 +1,129 @@
+"""Driver-side steps that the Prefect tasks wrap: prepare (validate + rehydrate), and the
+controller's construction. Everything here runs in the flow process, before or around workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from .checkpoint_manager import CheckpointManager
+from .config import RunConfig, ScalingConfig
+from .controller import Controller
+from .errors import ConfigError, StorageError
+from .rank import load_train_loop
+from .result import TrainResult
+from .run_state import FailureRecord, RunState, RunStore, fingerprint
+from .storage import Storage
+from .worker_group import GroupPlan
+
+logger = logging.getLogger("ft_train")
+
+
+@dataclass
+class RunPlan:
+    train_loop: Union[str, Callable]
+    train_loop_config: dict[str, Any]
+    scaling: ScalingConfig
+    run_config: RunConfig
+    storage: Storage
+    store: RunStore
+    state: RunState
+
+    @property
+    def finished(self) -> bool:
+        return self.state.status == "finished"
+
+    def result(self) -> TrainResult:
+        return TrainResult.from_state(self.storage, self.state, self.run_config.checkpoint_config)
+
+
+def prepare_run(
+    train_loop: Union[str, Callable],
+    train_loop_config: Optional[dict[str, Any]],
+    scaling: ScalingConfig,
+    run_config: RunConfig,
+    log: Callable[[str], None] = logger.info,
+) -> RunPlan:
+    """Validate the input and find (or create) the run state. Fails before any worker starts."""
+    load_train_loop(train_loop)
+    config = dict(train_loop_config or {})
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"train_loop_config must be JSON-serialisable: {e}") from None
+
+    storage = Storage(run_config.storage_path, run_config.storage_options)
+    store = RunStore(storage, run_config.name)
+    try:
+        state = store.load()
+    except StorageError:
+        raise
+    except Exception as e:
+        raise StorageError(
+            f"cannot read run state under {run_config.storage_path} ({type(e).__name__}: {e}); "
+            "check run_config.storage_path and run_config.storage_options"
+        ) from None
+    fp = fingerprint(
+        train_loop=train_loop if isinstance(train_loop, str) else getattr(train_loop, "__qualname__", ""),
+        config=config,
+        scaling=scaling.model_dump(),
+        checkpoints=run_config.checkpoint_config.model_dump(),
+    )
+    where = storage.uri(run_config.name)
+    if state is None:
+        state = RunState(name=run_config.name, config_fingerprint=fp)
+        log(f"new run {run_config.name!r} at {where}")
+    elif state.status == "finished":
+        log(f"run {run_config.name!r} at {where} already finished; nothing to train")
+        return RunPlan(train_loop, config, scaling, run_config, storage, store, state)
+    else:
+        _resume(state, fp, where, log)
+    state.driver_runs += 1
+    try:
+        store.save(state)
+    except Exception as e:
+        raise StorageError(
+            f"cannot write to {where} ({type(e).__name__}: {e}); check run_config.storage_path "
+            "and run_config.storage_options"
+        ) from None
+    return RunPlan(train_loop, config, scaling, run_config, storage, store, state)
+
+
+def _resume(state: RunState, fp: str, where: str, log: Callable[[str], None]) -> None:
+    if state.status == "running":
+        # The previous driver never recorded an end: it was killed. Not charged to max_failures.
+        state.failures.append(
+            FailureRecord(
+                kind="driver_crash",
+                error="the previous driver stopped without recording an end",
+                step=state.report_index,
+                attempt=len(state.attempts) - 1,
+                charged=False,
+            )
+        )
+    elif state.status == "failed":
+        state.budget_start = len(state.failures)  # a new flow run gets a fresh failure budget
+    if state.config_fingerprint and state.config_fingerprint != fp:
+        log(f"warning: the configuration differs from the one {where} was started with")
+    state.status, state.error = "running", None
+    frm = f"checkpoint {state.latest} (step {state.report_index})" if state.latest else "scratch"
+    log(f"resuming run {state.name!r} at {where} from {frm}")
+
+
+def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.info) -> Controller:
+    group_plan = GroupPlan(
+        train_loop=plan.train_loop,
+        config=plan.train_loop_config,
+        name=plan.run_config.name,
+        storage=plan.storage,
+        num_workers=plan.scaling.num_workers,
+        use_gpu=plan.scaling.use_gpu,
+        start_timeout_s=plan.scaling.worker_start_timeout_s,
+    )
+    manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
+    return Controller(
+        client, group_plan, plan.state, plan.store, manager, plan.run_config.failure_config, log
+    )

@@ -1,0 +1,75 @@
+"""The exception tree of ft-train.
+
+    FtTrainError
+    ├── ConfigError                  bad input; fails before any worker starts, never retried
+    │   └── TrainLoopImportError     `train_loop` cannot be imported or called
+    ├── StorageError                 the run directory is unusable (corrupt state, unreadable)
+    ├── SessionError                 worker-side API used outside a training function, or misused
+    ├── WorkerGroupError             a rank raised, died, or its worker was lost: retryable
+    │   └── (carries `failure`, a FailureRecord)
+    ├── WorkerStartupError           not enough workers arrived in time
+    └── TrainingFailedError          the failure budget is spent: the run has failed
+
+Every exception here pickles (Prefect and Dask move them between processes): each keeps its
+constructor arguments in `args`, and carries plain data only.
+"""
+
+from __future__ import annotations
+
+
+class FtTrainError(Exception):
+    """Root of every error ft-train raises on purpose."""
+
+
+class ConfigError(FtTrainError, ValueError):
+    """Invalid input. The message names the setting and the fix. Never retried."""
+
+
+class TrainLoopImportError(ConfigError):
+    """`train_loop` could not be imported; a retry cannot fix it."""
+
+
+class StorageError(FtTrainError):
+    """The run directory cannot be read or is inconsistent."""
+
+
+class SessionError(FtTrainError, RuntimeError):
+    """The worker-side API was called outside a training function, or against its contract."""
+
+
+class WorkerGroupError(FtTrainError):
+    """One group attempt failed: a rank raised, died or lost its worker. The run may retry."""
+
+    def __init__(self, message: str, failure: dict | None = None):
+        super().__init__(message, failure)
+        self.failure = failure or {}
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class WorkerStartupError(FtTrainError):
+    """Not enough Dask workers became available within the startup timeout."""
+
+
+class TrainingFailedError(FtTrainError):
+    """The run failed for good: the failure budget (`max_failures`) is spent."""
+
+    def __init__(self, message: str, failures: list[dict] | None = None):
+        super().__init__(message, failures)
+        self.failures = failures or []
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RankFailure(Exception):
+    """Raised by a rank's Dask task: the user function raised. Plain data, so it pickles
+    whatever the user's exception was."""
+
+    def __init__(self, rank: int, step: int, error: str, traceback: str):
+        super().__init__(rank, step, error, traceback)
+        self.rank, self.step, self.error, self.traceback = rank, step, error, traceback
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised at step {self.step}: {self.error}"

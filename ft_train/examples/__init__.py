@@ -1,0 +1,1 @@
+"""Example training functions that ship with ft-train."""

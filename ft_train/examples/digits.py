@@ -1,0 +1,122 @@
+"""The demo: an MLP on scikit-learn's bundled handwritten digits, data-parallel over the ranks.
+
+It reads top to bottom like a plain training script, and keeps in each checkpoint everything a
+bit-exact resume needs: model and optimizer state, the data position (epoch, next batch), the
+global step, and every rank's RNG state (each rank attaches its own file to the same checkpoint).
+
+Config keys (all optional): epochs, batch_size, lr, hidden, dropout, seed, checkpoint_every,
+loader_workers (DataLoader processes per rank), faults (see ft_train.faults).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ft_train
+import ft_train.torch
+from ft_train.faults import maybe_inject
+
+N_TRAIN = 1500  # of 1797 images; the rest is the validation set
+
+
+def datasets() -> tuple[TensorDataset, TensorDataset]:
+    x, y = load_digits(return_X_y=True)  # shipped inside scikit-learn: no download
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
+
+
+def build_model(hidden: int, dropout: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10)
+    )
+
+
+def accuracy(model: nn.Module, data: TensorDataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = data.tensors
+        acc = (model(x).argmax(dim=1) == y).float().mean().item()
+    model.train()
+    return acc
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    epochs = config.get("epochs", 4)
+    seed = config.get("seed", 0)
+    checkpoint_every = config.get("checkpoint_every", 10)
+    rank = ft_train.get_context().get_world_rank()
+
+    train_set, val_set = datasets()
+    loader = DataLoader(
+        train_set,
+        batch_size=config.get("batch_size", 64),
+        shuffle=True,
+        num_workers=config.get("loader_workers", 0),
+        generator=torch.Generator().manual_seed(seed),  # keeps the global RNG for dropout alone
+    )
+    loader = ft_train.torch.prepare_data_loader(loader, seed=seed)
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = ft_train.torch.prepare_model(build_model(config.get("hidden", 128), config.get("dropout", 0.1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
+    raw_model = getattr(model, "module", model)
+    torch.manual_seed(seed + 1000 * (rank + 1))  # each rank's own dropout stream
+
+    epoch, batch, step, resumed_from = 0, 0, 0, None
+    checkpoint = ft_train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "train_state.pt"), weights_only=False)
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            epoch, batch, step = state["epoch"], state["batch"], state["step"]
+            rng = os.path.join(d, f"rng_rank{rank}.pt")
+            if os.path.exists(rng):
+                torch.set_rng_state(torch.load(rng))
+        resumed_from = step
+
+    loss_fn = nn.CrossEntropyLoss()
+    while epoch < epochs:
+        loader.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            if i < batch:
+                continue  # already trained on before the checkpoint we resumed from
+            maybe_inject(config.get("faults"), rank, step)
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            batch = i + 1
+            if batch == len(loader):
+                epoch, batch = epoch + 1, 0
+            metrics = {"step": step, "epoch": epoch, "loss": loss.item(), "resumed_from": resumed_from}
+            done = epoch == epochs
+            if done:
+                metrics["val_accuracy"] = accuracy(raw_model, val_set)
+            if step % checkpoint_every == 0 or done:
+                with tempfile.TemporaryDirectory() as d:
+                    torch.save(torch.get_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
+                    if rank == 0:
+                        torch.save(
+                            {
+                                "model": raw_model.state_dict(),
+                                "optimizer": optimizer.state_dict(),
+                                "epoch": epoch,
+                                "batch": batch,
+                                "step": step,
+                            },
+                            os.path.join(d, "train_state.pt"),
+                        )
+                    ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))
+            else:
+                ft_train.report(metrics)
+            if done:
+                break

@@ -1,0 +1,37 @@
+"""The failure policy: given a failure and the run's history, RETRY or RAISE.
+
+It decides only; the controller executes the decision (and Prefect's task retry carries it out).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .run_state import FailureRecord, RunState
+
+
+class Decision(enum.Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+def decide(failure: FailureRecord, state: RunState, max_failures: int) -> Decision:
+    """`state.failures` already holds `failure`. Uncharged failures (driver events) never RAISE."""
+    if not failure.charged or max_failures == -1:
+        return Decision.RETRY
+    return Decision.RETRY if state.charged_failures <= max_failures else Decision.RAISE
+
+
+def retries_left(state: RunState, max_failures: int) -> int:
+    """How many more charged failures the run survives; a large number for unlimited."""
+    if max_failures == -1:
+        return 1_000_000
+    return max(0, max_failures - state.charged_failures)
+
+
+def describe(failures: list[FailureRecord]) -> str:
+    return "\n".join(
+        f"  {i}. {f.kind} on rank {f.rank} at step {f.step} (attempt {f.attempt}, "
+        f"{f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
+        for i, f in enumerate(failures, 1)
+    )

@@ -1,0 +1,39 @@
+"""Deterministic fault injection at (rank, step), for tests, the demo and chaos runs.
+
+A fault is a dict in the training function's config, e.g.
+    {"rank": 1, "step": 7, "kind": "raise", "marker": "/tmp/x/fault-1"}
+Kinds: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "wait" (block until
+the driver is gone; used to kill a driver at a known point). With a `marker` path the fault fires
+once: the marker is created atomically before it acts, so a rerun or a restart passes it by.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Iterable
+
+
+class InjectedFault(RuntimeError):
+    """The exception a "raise" fault throws."""
+
+
+def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) -> None:
+    for fault in faults or ():
+        if fault["rank"] != rank or fault["step"] != step:
+            continue
+        marker = fault.get("marker")
+        if marker is not None:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue  # fired before
+        kind = fault.get("kind", "raise")
+        if kind == "raise":
+            raise InjectedFault(f"injected fault on rank {rank} at step {step}")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "wait":
+            threading.Event().wait()  # until this process is killed
+        raise ValueError(f"unknown fault kind {kind!r}")

@@ -1,0 +1,100 @@
+"""What runs on a Dask worker: one rank of one attempt.
+
+`run_rank` joins the process group (a fresh TCP rendezvous per attempt), installs the session,
+calls the user's training function and turns any exception into a `RankFailure` made of plain
+strings, so it crosses process boundaries whatever the user raised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Union
+
+from . import session as _session
+from .errors import RankFailure, TrainLoopImportError
+from .session import RankSpec, Session
+
+
+def load_train_loop(train_loop: Union[str, Callable]) -> Callable:
+    """Resolve 'package.module:function'. Raises TrainLoopImportError (never retried)."""
+    if callable(train_loop):
+        return train_loop
+    if not isinstance(train_loop, str) or ":" not in train_loop:
+        raise TrainLoopImportError(
+            f"train_loop {train_loop!r} must be an import path 'package.module:function'"
+        )
+    module_name, _, attr = train_loop.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise TrainLoopImportError(
+            f"train_loop {train_loop!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
+            "check the path and that the package is installed where the ranks run"
+        ) from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise TrainLoopImportError(f"train_loop {train_loop!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def call_train_loop(fn: Callable, config: dict[str, Any]) -> Any:
+    try:
+        takes_config = len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):
+        takes_config = True
+    return fn(config) if takes_config else fn()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def dask_sender(topic: str) -> Callable[[dict], None]:
+    """Reports travel as Dask events: batched, non-blocking, delivered to the driver's client."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    return lambda msg: worker.log_event(topic, msg)
+
+
+def _init_process_group(spec: RankSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if spec.use_gpu:
+        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else spec.local_rank)
+    dist.init_process_group(
+        spec.backend,
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.collective_timeout_s),
+    )
+
+
+def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """The Dask task of one rank. Returns a summary; raises RankFailure if the function raised."""
+    import torch.distributed as dist
+
+    session = Session(spec, send or dask_sender(spec.topic))
+    _session.install(session)
+    try:
+        fn = load_train_loop(spec.train_loop)
+        _init_process_group(spec)
+        call_train_loop(fn, spec.config)
+        return {"rank": spec.rank, "reports": session.report_index}
+    except BaseException as e:  # every failure of the user function becomes a RankFailure
+        tb = traceback.format_exc(limit=-20)
+        raise RankFailure(spec.rank, session.report_index, f"{type(e).__name__}: {e}", tb) from None
+    finally:
+        _session.install(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,68 @@
+"""`TrainResult`: what a run produced, rebuilt from the run state alone (no Prefect needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .checkpoint import Checkpoint
+from .checkpoint_manager import _score
+from .config import CheckpointConfig
+from .errors import StorageError, TrainingFailedError
+from .run_state import FailureRecord, RunState, RunStore
+from .storage import Storage
+
+
+@dataclass
+class TrainResult:
+    metrics: Optional[dict[str, Any]]
+    checkpoint: Optional[Checkpoint]
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]]
+    path: str
+    error: Optional[TrainingFailedError]
+    failures: list[FailureRecord] = field(default_factory=list)
+    status: str = "running"
+
+    @classmethod
+    def from_state(
+        cls, storage: Storage, state: RunState, cfg: CheckpointConfig | None = None
+    ) -> "TrainResult":
+        def ckpt(dir_name: str) -> Checkpoint:
+            return Checkpoint(storage.uri(f"{state.name}/{dir_name}"), storage.options)
+
+        entries = list(state.checkpoints)
+        if cfg is not None and cfg.checkpoint_score_attribute is not None:
+            entries.sort(key=lambda e: (_score(e, cfg), e.report_index))
+        latest = state.latest_entry()
+        error = None
+        if state.status == "failed":
+            error = TrainingFailedError(
+                state.error or "failed", [f.model_dump(mode="json") for f in state.failures]
+            )
+        return cls(
+            metrics=state.final_metrics or (latest.metrics if latest else None),
+            checkpoint=ckpt(latest.dir_name) if latest else None,
+            best_checkpoints=[(ckpt(e.dir_name), e.metrics) for e in entries],
+            path=storage.uri(state.name),
+            error=error,
+            failures=list(state.failures),
+            status=state.status,
+        )
+
+    @classmethod
+    def from_path(
+        cls,
+        storage_path: str,
+        name: str,
+        storage_options: Optional[dict[str, Any]] = None,
+        checkpoint_config: CheckpointConfig | None = None,
+    ) -> "TrainResult":
+        """The result of the run `name` under `storage_path`, finished or not."""
+        from .config import RunConfig
+
+        cfg = RunConfig(name=name, storage_path=storage_path)  # validates and normalises
+        storage = Storage(cfg.storage_path, storage_options)
+        state = RunStore(storage, name).load()
+        if state is None:
+            raise StorageError(f"no run named {name!r} under {cfg.storage_path}")
+        return cls.from_state(storage, state, checkpoint_config)

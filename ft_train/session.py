@@ -1,0 +1,163 @@
+"""The worker-side API: `get_context()`, `get_checkpoint()`, `report()`.
+
+A rank runs the user's training function inside a `Session`, installed for the duration of the
+call. `report()` uploads a checkpoint's files (if one is attached) into a directory named after
+the report index and the attempt, then sends one small message to the driver and returns: it
+never waits for the driver.
+
+Contract (what the driver relies on):
+- every rank MUST call `report()` the same number of times; round k is rank 0's metrics plus the
+  files of every rank that attached a checkpoint in its k-th call;
+- metrics MUST be JSON-serialisable (numbers, strings, lists, dicts; numpy / 0-d tensor scalars
+  are converted);
+- after `report()` returns, the checkpoint's local directory may be deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from .checkpoint import Checkpoint
+from .checkpoint_manager import checkpoint_dir_name
+from .errors import SessionError
+from .storage import Storage
+
+
+@dataclass
+class RankSpec:
+    """Everything one rank needs, sent by the driver with the rank's Dask task."""
+
+    train_loop: Union[str, Callable]
+    config: dict[str, Any]
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    name: str
+    attempt: int
+    attempt_id: str
+    master_addr: str
+    master_port: int
+    backend: str
+    use_gpu: bool
+    storage: Storage
+    checkpoint_dir: Optional[str]  # latest committed checkpoint, None on a fresh run
+    start_report_index: int
+    topic: str
+    collective_timeout_s: float = 1800.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainContext:
+    """Where this rank sits in the group. Returned by `ft_train.get_context()`."""
+
+    def __init__(self, spec: RankSpec):
+        self._spec = spec
+
+    def get_world_rank(self) -> int:
+        return self._spec.rank
+
+    def get_world_size(self) -> int:
+        return self._spec.world_size
+
+    def get_local_rank(self) -> int:
+        return self._spec.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self._spec.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self._spec.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self._spec.name
+
+    def get_attempt(self) -> int:
+        """0 for the run's first worker group, then one more for each restart."""
+        return self._spec.attempt
+
+    def __repr__(self) -> str:
+        s = self._spec
+        return f"TrainContext(rank={s.rank}/{s.world_size}, local={s.local_rank}, attempt={s.attempt})"
+
+
+def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
+    def scalar(o: Any) -> Any:
+        if hasattr(o, "item") and getattr(o, "ndim", 0) == 0:
+            return o.item()  # numpy scalar, 0-d tensor
+        raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
+
+    if not isinstance(metrics, dict):
+        raise SessionError(f"report(metrics=...) takes a dict, not {type(metrics).__name__}")
+    try:
+        out = json.loads(json.dumps(metrics, default=scalar))
+    except (TypeError, ValueError) as e:
+        raise SessionError(f"report(): metrics must be JSON-serialisable: {e}") from None
+    for k, v in out.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = str(v)  # keep NaN/inf visible, and the run state valid JSON
+    return out
+
+
+class Session:
+    def __init__(self, spec: RankSpec, send: Callable[[dict], None]):
+        self.spec = spec
+        self.send = send
+        self.report_index = spec.start_report_index
+        self.context = TrainContext(spec)
+
+    def checkpoint(self) -> Optional[Checkpoint]:
+        s = self.spec
+        if s.checkpoint_dir is None:
+            return None
+        return Checkpoint(s.storage.uri(f"{s.name}/{s.checkpoint_dir}"), s.storage.options)
+
+    def report(self, metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+        metrics = _jsonable(metrics)
+        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            raise SessionError("report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)")
+        self.report_index += 1
+        msg: dict[str, Any] = {"rank": self.spec.rank, "index": self.report_index, "metrics": metrics}
+        if checkpoint is not None:
+            s = self.spec
+            dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
+            with checkpoint.as_directory() as local:
+                msg["files"] = s.storage.upload_dir(local, f"{s.name}/{dir_name}")
+            msg["dir_name"] = dir_name
+        self.send(msg)
+
+
+_session: Optional[Session] = None
+
+
+def _current() -> Session:
+    if _session is None:
+        raise SessionError(
+            "this ft_train call works only inside a training function run by ft-train "
+            "(the train_loop of the `ft-train` flow)"
+        )
+    return _session
+
+
+def install(session: Optional[Session]) -> None:
+    global _session
+    _session = session
+
+
+def get_context() -> TrainContext:
+    """This rank's place in the group."""
+    return _current().context
+
+
+def get_checkpoint() -> Optional[Checkpoint]:
+    """The latest committed checkpoint, or None on a fresh run."""
+    return _current().checkpoint()
+
+
+def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+    """Report this step's metrics, optionally with a checkpoint. See the module docstring."""
+    _current().report(metrics, checkpoint)

@@ -1,0 +1,190 @@
+"""The worker group: one attempt's ranks on Dask, pinned one per worker.
+
+Each rank is a Dask task pinned to one worker (`workers=[addr]`, `allow_other_workers=False`,
+`pure=False`), so Dask never moves or silently re-runs a rank. The group reports everything that
+happens to it as events on one thread-safe queue, which the controller consumes:
+
+    ("report", attempt, msg)                a rank's report() message
+    ("rank_done", attempt, rank, future)    a rank's task ended (finished, erred or cancelled)
+    ("worker_lost", attempt, address)       the scheduler removed a worker that hosts a rank
+
+Stopping a failed group kills the surviving ranks' worker processes at once (their nannies start
+fresh ones): a rank blocked in a collective whose peer died cannot be interrupted any other way,
+and waiting for the collective timeout would take up to 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from distributed import Client
+
+from .errors import WorkerStartupError
+from .rank import free_port, run_rank
+from .session import RankSpec
+from .storage import Storage
+
+
+@dataclass
+class GroupPlan:
+    train_loop: Union[str, Callable]
+    config: dict[str, Any]
+    name: str
+    storage: Storage
+    num_workers: int
+    use_gpu: bool
+    start_timeout_s: float
+
+
+async def _hard_exit() -> None:
+    os._exit(1)
+
+
+def _rank_of(workers: dict[str, dict]) -> list[str]:
+    """Worker addresses in rank order: grouped by host, then by worker name."""
+    return sorted(workers, key=lambda a: (workers[a]["host"], str(workers[a].get("name")), a))
+
+
+def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[str, dict]:
+    """Workers a rank may use. With use_gpu, those with a GPU resource, if the cluster marks any."""
+    usable = {a: w for a, w in workers.items() if a not in exclude}
+    gpu = {a: w for a, w in usable.items() if w.get("resources", {}).get("GPU", 0) >= 1}
+    return gpu if use_gpu and gpu else usable
+
+
+def await_workers(
+    client: Client, n: int, use_gpu: bool, timeout_s: float, exclude: set[str] = frozenset()
+) -> list[str]:
+    """Addresses of `n` usable workers, waiting up to `timeout_s` for them to join."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usable = _usable(client.scheduler_info(n_workers=-1)["workers"], use_gpu, exclude)
+        if len(usable) >= n:
+            return _rank_of(usable)[:n]
+        if time.monotonic() > deadline:
+            raise WorkerStartupError(
+                f"only {len(usable)} of {n} Dask workers were available after {timeout_s:.0f}s "
+                f"(scheduler {client.scheduler.address}); add workers, or raise "
+                "scaling_config.worker_start_timeout_s"
+            )
+        time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadline
+
+
+class WorkerGroup:
+    def __init__(self, client: Client, attempt: int, events: "queue.Queue[tuple]"):
+        self.client = client
+        self.attempt = attempt
+        self.attempt_id = uuid.uuid4().hex
+        self.topic = f"ft-train-{self.attempt_id}"
+        self.events = events
+        self.addresses: list[str] = []
+        self.nannies: dict[str, str | None] = {}
+        self.futures: list = []
+        self.stopped = False
+
+    def start(
+        self, plan: GroupPlan, checkpoint_dir: str | None, start_report_index: int, exclude: set[str]
+    ) -> None:
+        addrs = await_workers(
+            self.client, plan.num_workers, plan.use_gpu, plan.start_timeout_s, exclude
+        )
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        hosts = sorted({info[a]["host"] for a in addrs})
+        per_host: dict[str, list[str]] = defaultdict(list)
+        for a in addrs:
+            per_host[info[a]["host"]].append(a)
+        master_addr = info[addrs[0]]["host"]
+        master_port = self.client.run(free_port, workers=[addrs[0]])[addrs[0]]
+        self.addresses = addrs
+        self.nannies = {a: info[a].get("nanny") for a in addrs}
+
+        # Subscribe before submitting: both go to the scheduler on one ordered stream.
+        self.client.subscribe_topic(self.topic, lambda ev: self.events.put(("report", self.attempt, ev[1])))
+        self.client.subscribe_topic("all", self._on_scheduler_event)
+        for rank, addr in enumerate(addrs):
+            host = info[addr]["host"]
+            spec = RankSpec(
+                train_loop=plan.train_loop,
+                config=plan.config,
+                rank=rank,
+                world_size=len(addrs),
+                local_rank=per_host[host].index(addr),
+                local_world_size=len(per_host[host]),
+                node_rank=hosts.index(host),
+                name=plan.name,
+                attempt=self.attempt,
+                attempt_id=self.attempt_id,
+                master_addr=master_addr,
+                master_port=master_port,
+                backend="nccl" if plan.use_gpu else "gloo",
+                use_gpu=plan.use_gpu,
+                storage=plan.storage,
+                checkpoint_dir=checkpoint_dir,
+                start_report_index=start_report_index,
+                topic=self.topic,
+            )
+            fut = self.client.submit(
+                run_rank,
+                spec,
+                key=f"ft-train-rank-{rank}-{self.attempt_id}",
+                workers=[addr],
+                allow_other_workers=False,
+                pure=False,
+                resources=({"GPU": 1} if info[addr].get("resources", {}).get("GPU") else None)
+                if plan.use_gpu
+                else None,
+            )
+            fut.add_done_callback(lambda f, r=rank: self.events.put(("rank_done", self.attempt, r, f)))
+            self.futures.append(fut)
+
+    def _on_scheduler_event(self, event: tuple) -> None:
+        msg = event[1]
+        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+            if msg.get("worker") in self.addresses:
+                self.events.put(("worker_lost", self.attempt, msg["worker"]))
+
+    def lost_kind(self, address: str) -> str:
+        """A removed worker whose nanny still answers lost its process; otherwise its node."""
+        nanny = self.nannies.get(address)
+        if nanny and "://" in nanny:
+            host, port = nanny.split("://", 1)[1].rsplit(":", 1)
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+                return "process_death"
+            except OSError:
+                pass
+        return "node_loss"
+
+    def release(self) -> None:
+        """Forget the group after a clean finish."""
+        self._unsubscribe()
+        self.futures = []
+
+    def stop(self) -> set[str]:
+        """Stop every rank now. Returns the addresses that were killed (they will not return)."""
+        if self.stopped:
+            return set()
+        self.stopped = True
+        self._unsubscribe()
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        survivors = [a for a in self.addresses if a in alive]
+        if survivors:
+            # The process exits in its event loop, even while the rank's thread is stuck.
+            self.client.run(_hard_exit, workers=survivors, wait=False)
+        self.client.cancel(self.futures, force=True)
+        self.futures = []
+        return set(self.addresses)
+
+    def _unsubscribe(self) -> None:
+        for topic in (self.topic, "all"):
+            try:
+                self.client.unsubscribe_topic(topic)
+            except Exception:  # the client may be closing; nothing is left to unsubscribe from
+                pass

@@ -1,0 +1,68 @@
+"""Shared test fixtures: one Prefect test harness per session, a loopback S3 endpoint, and the
+`storage` fixture that runs every storage-touching test against a local path and against s3://.
+"""
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+# Before anything imports Prefect: its home and database live in a temporary folder.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="ft-train-prefect-"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+for k, v in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}.items():
+    os.environ[k] = v
+os.environ.pop("AWS_PROFILE", None)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real Prefect API (the test harness) shared by the session; yields its URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """An S3 endpoint on loopback (moto's threaded server), for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@dataclass
+class StorageTarget:
+    kind: str
+    path: str
+    options: dict = field(default_factory=dict)
+
+
+def make_s3_target(endpoint: str) -> StorageTarget:
+    import s3fs
+
+    bucket = f"ft-{uuid.uuid4().hex[:12]}"
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(bucket)
+    return StorageTarget("s3", f"s3://{bucket}/runs", options)
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path) -> StorageTarget:
+    """Where a test's runs live: a local directory, then a fresh bucket on the loopback S3."""
+    if request.param == "local":
+        return StorageTarget("local", str(tmp_path / "runs"))
+    return make_s3_target(request.getfixturevalue("s3_endpoint"))
