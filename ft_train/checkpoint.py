@@ -67,7 +67,10 @@ class Checkpoint:
         cache shared by the ranks of that node, and verified against its manifest.
         """
         if self._is_local():
-            yield self._storage().full("")
+            path = self._storage().full("")
+            if os.path.exists(os.path.join(path, MANIFEST)):  # a committed checkpoint
+                self._verify(path, self.manifest()["files"])
+            yield path
         else:
             yield self._download_once()
 
@@ -99,13 +102,27 @@ class Checkpoint:
         """Fetch the manifest's files into `local_dir` and check every size and checksum."""
         manifest = self.manifest()
         files = manifest["files"]
-        self._storage().download_files("", sorted(files), local_dir)
+        storage = self._storage()
+        try:
+            storage.download_files("", sorted(files), local_dir)
+        except FileNotFoundError:
+            missing = [r for r in sorted(files) if not storage.fs.exists(storage.full(r))]
+            raise StorageError(
+                f"{self.path}: {', '.join(missing) or 'a file'} listed in its manifest is missing: "
+                "the stored checkpoint is damaged"
+            ) from None
+        self._verify(local_dir, files)
+        with open(os.path.join(local_dir, MANIFEST), "w") as f:
+            json.dump(manifest, f)
+
+    def _verify(self, local_dir: str, files: dict[str, Any]) -> None:
         for rel, want in files.items():
-            got = file_digest(os.path.join(local_dir, rel))
+            full = os.path.join(local_dir, rel)
+            if not os.path.isfile(full):
+                raise StorageError(f"{self.path}/{rel} is missing: the stored checkpoint is damaged")
+            got = file_digest(full)
             if got != {"size": want["size"], "sha256": want["sha256"]}:
                 raise StorageError(
                     f"{self.path}/{rel} does not match its manifest (size {got['size']} vs "
                     f"{want['size']}): the stored checkpoint is damaged"
                 )
-        with open(os.path.join(local_dir, MANIFEST), "w") as f:
-            json.dump(manifest, f)

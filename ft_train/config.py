@@ -66,10 +66,13 @@ class RunConfig(_Config):
     """The identity of a run, `(storage_path, name)`, and how it treats failures and checkpoints."""
 
     name: str = Field(
-        description="Unique run id. A flow run with the same storage_path and name resumes this run."
+        description="Unique run id. A flow run with the same storage_path and name resumes this run.",
+        # in the JSON schema too, so a deployment run with a bad name is refused at creation
+        json_schema_extra={"pattern": _NAME_OK.pattern},
     )
     storage_path: str = Field(
         DEFAULT_STORAGE_PATH,
+        validate_default=True,
         description="Where runs live: a local path or any fsspec URL (s3://bucket/prefix).",
     )
     storage_options: dict[str, Any] = Field(
@@ -83,7 +86,7 @@ class RunConfig(_Config):
     @field_validator("name")
     @classmethod
     def _name_stays_inside_storage(cls, name: str) -> str:
-        if ".." in name or not _NAME_OK.match(name):
+        if ".." in name or not _NAME_OK.fullmatch(name):
             raise ValueError(
                 f"run_config.name {name!r} is not a valid run name: use 1-200 characters from "
                 "letters, digits and . _ = + , @ : -, starting with a letter or digit, with no '/' "

@@ -118,7 +118,9 @@ class RunStore:
                 f"{self.storage.uri(self.path)} is not valid JSON ({e}); the run directory is "
                 "damaged: restore the file, or start a new run with another run_config.name"
             ) from None
-        version = doc.get("schema_version", 0) if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            raise StorageError(f"{self.storage.uri(self.path)} is not a run state (not an object)")
+        version = doc.get("schema_version", 0)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
             raise StorageError(
                 f"{self.storage.uri(self.path)} has schema_version {version!r}; this ft-train "

@@ -167,20 +167,35 @@ class WorkerGroup:
         self._unsubscribe()
         self.futures = []
 
-    def stop(self) -> set[str]:
-        """Stop every rank now. Returns the addresses that were killed (they will not return)."""
+    def stop(self, grace_s: float = 0.0, failed: str | None = None) -> set[str]:
+        """Stop every rank. Returns the addresses of workers killed or lost (not to be reused).
+
+        `failed` is the worker of a rank that raised. Its process still holds the rank's
+        collective connections (they close only when the process exits), so it is killed
+        first; the other ranks then fail on their own at once, as gloo sees the closed
+        connections. Ranks that have not ended within `grace_s` are stuck (e.g. in a collective
+        whose peer vanished without a word): their processes are killed too. A killed worker's
+        nanny starts a fresh one; workers whose rank ended keep their process (and its imported
+        torch) for the next attempt.
+        """
         if self.stopped:
             return set()
         self.stopped = True
         self._unsubscribe()
         alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        survivors = [a for a in self.addresses if a in alive]
-        if survivors:
-            # The process exits in its event loop, even while the rank's thread is stuck.
-            self.client.run(_hard_exit, workers=survivors, wait=False)
+        killed = {failed} & alive
+        if killed:
+            self.client.run(_hard_exit, workers=list(killed), wait=False)
+        deadline = time.monotonic() + grace_s
+        while not all(f.done() for f in self.futures) and time.monotonic() < deadline:
+            time.sleep(0.01)  # bounded by grace_s; the ones still running are killed below
+        stuck = [a for a, f in zip(self.addresses, self.futures) if not f.done() and a in alive]
+        if stuck:
+            # The process exits in its event loop, even while the rank's thread is blocked.
+            self.client.run(_hard_exit, workers=stuck, wait=False)
         self.client.cancel(self.futures, force=True)
         self.futures = []
-        return set(self.addresses)
+        return set(stuck) | killed | (set(self.addresses) - alive)
 
     def _unsubscribe(self) -> None:
         for topic in (self.topic, "all"):

@@ -28,6 +28,10 @@ from .state import Errored, Finished, Idle, Running
 
 logger = logging.getLogger("ft_train")
 
+# How long the other ranks of a failed group get to fail on their own before their processes
+# are killed. gloo notices a dead peer at once; NCCL may not, and a CUDA context is not to be
+# trusted after a failure, so GPU ranks are always killed.
+STOP_GRACE_S = 3.0
 # After every rank returned, wait this long for their last reports still in flight.
 REPORT_DRAIN_TIMEOUT_S = 30.0
 
@@ -89,7 +93,7 @@ class Controller:
         """The driver is going away (Ctrl+C, SIGTERM, an unexpected error): stop the ranks and
         record why, so the next flow run with the same name resumes."""
         if isinstance(self.phase, Running):
-            self.phase.group.stop()
+            self.phase.group.stop(grace_s=0.0)
         if self.phase.is_terminal:
             return
         if isinstance(error, Exception):
@@ -218,7 +222,9 @@ class Controller:
     def _fail(self, rank: int, kind: str, error: str, step: Optional[int] = None) -> None:
         """Stop the group, record the failure, and raise what the failure policy decided."""
         group = self.phase.group
-        self.dead_workers |= group.stop()
+        grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
+        failed = group.addresses[rank] if kind == "exception" else None
+        self.dead_workers |= group.stop(grace_s=grace, failed=failed)
         failure = FailureRecord(
             kind=kind,
             rank=rank,

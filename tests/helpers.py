@@ -1,0 +1,70 @@
+"""Helpers for the integration tests: run the demo flow, read stored state, wait on it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import ft_train
+from ft_train.run_state import RunState, RunStore
+from ft_train.storage import Storage
+
+DEMO = "ft_train.examples.digits:train_loop"
+
+
+def run_config(storage, name, max_failures=0, **kw) -> ft_train.RunConfig:
+    return ft_train.RunConfig(
+        name=name,
+        storage_path=storage.path,
+        storage_options=storage.options,
+        failure_config=ft_train.FailureConfig(max_failures=max_failures),
+        **kw,
+    )
+
+
+def demo_config(faults=(), epochs=1, checkpoint_every=5, **kw) -> dict:
+    return {"epochs": epochs, "checkpoint_every": checkpoint_every, "faults": list(faults), **kw}
+
+
+def fault(tmp_path, rank, step, kind="raise") -> dict:
+    return {"rank": rank, "step": step, "kind": kind, "marker": str(tmp_path / f"fault-{rank}-{step}")}
+
+
+def train_demo(storage, name, config, max_failures=0, workers=2, **kw) -> ft_train.TrainResult:
+    from flows.train import train
+
+    return train(
+        train_loop=DEMO,
+        train_loop_config=config,
+        scaling_config=ft_train.ScalingConfig(num_workers=workers),
+        run_config=run_config(storage, name, max_failures),
+        **kw,
+    )
+
+
+def load_state(storage, name) -> RunState | None:
+    return RunStore(Storage(storage.path, storage.options), name).load()
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll a condition on stored state until it holds (a bounded wait, not a sleep to sync)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def final_weights(result: ft_train.TrainResult) -> dict[str, torch.Tensor]:
+    with result.checkpoint.as_directory() as d:
+        return torch.load(os.path.join(d, "train_state.pt"), weights_only=False)["model"]
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"

@@ -1,0 +1,36 @@
+"""Small training functions used by the tests (importable by Dask worker processes)."""
+
+import os
+
+import ft_train
+
+
+def report_many(config):
+    """Metrics-only reports, as fast as a loop can make them."""
+    for i in range(config.get("n", 100)):
+        ft_train.report({"i": i})
+
+
+def unequal_reports(config):
+    """Breaks the report() contract: rank 1 reports once more than rank 0."""
+    for i in range(3 + ft_train.get_context().get_world_rank()):
+        ft_train.report({"i": i})
+
+
+def gpu_probe(config):
+    """Fails unless this rank sees exactly one GPU, through CUDA_VISIBLE_DEVICES, with NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = ft_train.get_context()
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    model = ft_train.torch.prepare_model(torch.nn.Linear(4, 2))
+    device = next(model.parameters()).device
+    assert cvd is not None and "," not in cvd, f"CUDA_VISIBLE_DEVICES={cvd!r}"
+    assert torch.cuda.device_count() == 1, torch.cuda.device_count()
+    assert dist.get_backend() == "nccl", dist.get_backend()
+    assert device.type == "cuda", device
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    assert t.item() == ctx.get_world_size()
+    ft_train.report({"cvd": cvd, "device": str(device), "world": ctx.get_world_size()})

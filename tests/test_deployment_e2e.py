@@ -1,0 +1,173 @@
+"""End to end through a deployment, the way a user runs it: `prefect server start`, a process
+work pool, `prefect deploy -n demo` from prefect.yaml, `prefect worker start`, and
+`prefect deployment run 'ft-train/demo'`; then the run's stored result is read back without Prefect.
+
+One server, pool, deployment and worker serve the whole module (starting them takes ~15 s); each
+storage target gets its own run. The worker runs in an empty directory with no project path added:
+the flow-run process finds the code only through the deployment's pull step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+import ft_train
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect"]
+POOL = "ft-train-process"
+DEPLOYMENT = "ft-train/demo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+
+
+def _start(args: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+    """A long-running CLI process in its own process group, output to `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a process, its process group, and every descendant (the worker's flow-run supervisor
+    starts its own process group, and Dask workers hang below it): TERM, then KILL after grace_s."""
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:  # already gone: only the group may be left
+        family = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+        _, family = psutil.wait_procs(family, timeout=grace_s)
+        if not family and proc.poll() is not None:
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+
+
+def _cli(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """A Prefect CLI command from the repository root; fails the test with its output."""
+    done = subprocess.run(
+        PREFECT + args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, (
+        f"`prefect {' '.join(args)}` exited {done.returncode}:\n"
+        f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )
+    return done
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the
+    environment that points Prefect clients at it."""
+    root = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / "home"),
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "COLUMNS": "200",  # keep the CLI's rich output on one line per item
+    }
+    log = root / "server.log"
+    server = _start(
+        PREFECT + ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+        env, root, log,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, f"prefect server exited:\n{_tail(log)}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"prefect server not healthy in 120 s:\n{_tail(log)}"
+            time.sleep(0.2)
+        yield env
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def demo_deployment(prefect_server, tmp_path_factory):
+    """The work pool, the `demo` deployment from prefect.yaml, and a worker polling the pool;
+    yields (environment, worker log)."""
+    env = prefect_server
+    _cli(["work-pool", "create", POOL, "--type", "process"], env, timeout_s=120)
+    _cli(["--no-prompt", "deploy", "-n", "demo"], env, timeout_s=180)
+
+    workdir = tmp_path_factory.mktemp("worker")  # not the project: the pull step must get there
+    log = workdir / "worker.log"
+    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}  # pick a new run up at once
+    worker = _start(PREFECT + ["worker", "start", "--pool", POOL], worker_env, workdir, log)
+    try:
+        yield env, log
+    finally:
+        _stop(worker)
+
+
+@pytest.mark.timeout(420)
+def test_demo_deployment_trains_to_the_end(demo_deployment, storage):
+    env, worker_log = demo_deployment
+    api = env["PREFECT_API_URL"]
+    name = f"e2e-{storage.kind}-{uuid.uuid4().hex[:8]}"
+
+    deployment = httpx.get(f"{api}/deployments/name/{DEPLOYMENT}", timeout=10).json()
+    assert deployment["enforce_parameter_schema"] is True
+    assert deployment["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ], "the pull step should name the project directory, resolved when deploying"
+
+    run_config = {"name": name, "storage_path": storage.path, "storage_options": storage.options}
+    done = subprocess.run(
+        PREFECT
+        + ["deployment", "run", DEPLOYMENT,
+           "--param", f"run_config={json.dumps(run_config)}",
+           "--param", 'train_loop_config={"epochs": 1, "checkpoint_every": 5}',
+           "--watch", "--watch-timeout", "240"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    output = f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n--- worker log ---\n{_tail(worker_log)}"
+    assert done.returncode == 0, f"the deployment run did not complete:\n{output}"
+
+    match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
+    assert match, f"no flow run id in the output:\n{output}"
+    flow_run = httpx.get(f"{api}/flow_runs/{match.group(1)}", timeout=10).json()
+    assert flow_run["state_type"] == "COMPLETED", output
+    assert flow_run["name"] == name, "the flow run should be named after run_config.name"
+    assert flow_run["deployment_id"] == deployment["id"]
+
+    result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
+    assert result.status == "finished"
+    assert result.checkpoint is not None and len(result.best_checkpoints) >= 1
+    assert "step" in result.metrics
+    assert result.failures == []

@@ -1,0 +1,632 @@
+"""The storage invariants of DESIGN.md ("Storage layout and commit protocol"), one test each, run
+against a local path and the loopback S3 endpoint (the `storage` fixture).
+
+Each test drives the real write path without Dask: ranks are `Session`s whose messages are
+collected with `send=list.append`, consolidated by the controller's `ReportRounds`, and committed
+by `CheckpointManager`. Faults come from `FaultyStorage`, a real `Storage` that records every
+mutating call and raises `Crash` in place of the k-th one: a crash of the process at that point.
+After a crash, a fresh `Storage` and `RunStore` play the rerun: they see only what reached storage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections import Counter
+from typing import Any, Optional
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from ft_train import driver
+from ft_train.checkpoint import MANIFEST, Checkpoint
+from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
+from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
+from ft_train.controller.rounds import ReportRounds
+from ft_train.errors import StorageError
+from ft_train.run_state import SCHEMA_VERSION, STATE_FILE, CheckpointEntry, RunState, RunStore
+from ft_train.session import RankSpec, Session
+from ft_train.storage import Storage, local_files
+
+ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings
+ATTEMPT_1 = "1b" * 16
+
+
+def noop_train_loop(config: dict) -> None:
+    """An importable train_loop for `prepare_run`; never called."""
+
+
+# -- fault injection ------------------------------------------------------------------------------
+
+
+class Crash(Exception):
+    """A simulated crash of the process that made the storage call."""
+
+
+class FaultyStorage(Storage):
+    """A real Storage that logs its mutating calls as (op, path) and raises `Crash` in place of the
+    `crash_at`-th one (1-based). With `torn=True` a crashing `upload_dir` first uploads half of its
+    files, like a process killed mid-upload. `on_delete(path)` runs just before each delete."""
+
+    def __init__(self, url, options=None, crash_at=None, torn=False, on_delete=None):
+        super().__init__(url, options)
+        self.crash_at, self.torn, self.on_delete = crash_at, torn, on_delete
+        self.log: list[tuple[str, str]] = []
+        self.calls = 0
+
+    def _crashes_now(self) -> bool:
+        self.calls += 1
+        return self.calls == self.crash_at
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if self._crashes_now():
+            raise Crash(f"write {path}")
+        super().write_atomic(path, data)
+        self.log.append(("write", path))
+
+    def upload_dir(self, local_dir: str, path: str):
+        if self._crashes_now():
+            if self.torn:
+                rels = local_files(local_dir)
+                with tempfile.TemporaryDirectory() as part:
+                    for rel in rels[: max(1, len(rels) // 2)]:
+                        shutil.copy(os.path.join(local_dir, rel), os.path.join(part, rel))
+                    super().upload_dir(part, path)
+            raise Crash(f"upload {path}")
+        infos = super().upload_dir(local_dir, path)
+        self.log.append(("upload", path))
+        return infos
+
+    def delete_dir(self, path: str) -> None:
+        if self._crashes_now():
+            raise Crash(f"delete {path}")
+        if self.on_delete is not None:
+            self.on_delete(path)
+        super().delete_dir(path)
+        self.log.append(("delete", path))
+
+
+# -- the write path, driven without Dask -----------------------------------------------------------
+
+
+def write_tree(root, files: dict[str, bytes]) -> str:
+    os.makedirs(root, exist_ok=True)
+    for rel, data in files.items():
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(data)
+    return str(root)
+
+
+def rank_spec(storage: Storage, name: str, rank: int, world: int, attempt: int, attempt_id: str,
+              start_index: int) -> RankSpec:
+    return RankSpec(
+        train_loop=noop_train_loop, config={}, rank=rank, world_size=world, local_rank=rank,
+        local_world_size=world, node_rank=0, name=name, attempt=attempt, attempt_id=attempt_id,
+        master_addr="127.0.0.1", master_port=0, backend="gloo", use_gpu=False, storage=storage,
+        checkpoint_dir=None, start_report_index=start_index, topic="unused",
+    )
+
+
+def report_round(storage: Storage, name: str, index: int, files_by_rank: list[dict[str, bytes]],
+                 metrics: dict, attempt: int, attempt_id: str, tmp_path) -> list[dict]:
+    """Every rank's `index`-th report(), each rank attaching its own files; returns the messages."""
+    msgs: list[dict] = []
+    for rank, files in enumerate(files_by_rank):
+        session = Session(
+            rank_spec(storage, name, rank, len(files_by_rank), attempt, attempt_id, index - 1),
+            send=msgs.append,
+        )
+        local = write_tree(tmp_path / f"local-{name}-{index}-{attempt_id[:4]}-{rank}", files)
+        session.report(metrics, checkpoint=Checkpoint.from_directory(local))
+        shutil.rmtree(local)  # report() has uploaded; the local copy may go
+    return msgs
+
+
+def commit_round(manager: CheckpointManager, state: RunState, msgs: list[dict], index: int,
+                 attempt: int) -> tuple[str, list[str]]:
+    rounds = ReportRounds(world_size=len(msgs), last_index=index - 1)
+    for m in msgs:
+        rounds.add(m)
+    rnd = rounds.pop_complete()
+    assert rnd is not None and rnd.index == index
+    dropped = manager.commit(state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, attempt)
+    return rnd.dir_name, dropped
+
+
+def save(storage: Storage, name: str, state: RunState, cfg: CheckpointConfig, index: int,
+         files_by_rank: list[dict[str, bytes]], tmp_path, metrics: Optional[dict] = None,
+         attempt: int = 0, attempt_id: str = ATTEMPT_0) -> tuple[str, list[str]]:
+    """One checkpoint save: every rank uploads, then the driver commits."""
+    metrics = metrics if metrics is not None else {"step": index}
+    msgs = report_round(storage, name, index, files_by_rank, metrics, attempt, attempt_id, tmp_path)
+    manager = CheckpointManager(storage, RunStore(storage, name), cfg)
+    return commit_round(manager, state, msgs, index, attempt)
+
+
+def rank_files(tag: str) -> list[dict[str, bytes]]:
+    """Two ranks, two files each (so a torn upload leaves some files), contents tagged."""
+    return [
+        {"model.pt": f"model {tag}".encode(), "optim.pt": f"optim {tag}".encode() * 3},
+        {"rng_1.pt": f"rng1 {tag}".encode(), "data_1.pt": f"data1 {tag}".encode() * 5},
+    ]
+
+
+def merged(files_by_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for files in files_by_rank:
+        out.update(files)
+    return out
+
+
+# -- what a rerun sees -----------------------------------------------------------------------------
+
+
+def fresh(target) -> Storage:
+    return Storage(target.path, target.options)
+
+
+def load(target, name: str) -> Optional[RunState]:
+    return RunStore(fresh(target), name).load()
+
+
+def restore(target, name: str, dir_name: str, tmp_path) -> dict[str, bytes]:
+    """Download a checkpoint through its manifest, verified; return its files' contents."""
+    ckpt = Checkpoint(fresh(target).uri(f"{name}/{dir_name}"), target.options)
+    local = tempfile.mkdtemp(dir=tmp_path, prefix="restore-")
+    ckpt.download_verified(local)
+    out = {}
+    for rel in local_files(local):
+        if rel != MANIFEST:
+            with open(os.path.join(local, rel), "rb") as f:
+                out[rel] = f.read()
+    return out
+
+
+def stored_names(target, name: str) -> set[str]:
+    return set(fresh(target).list_dir(name))
+
+
+def stored_files(target, path: str) -> set[str]:
+    """Every file under `path` (recursively), relative to it, read with a fresh listing."""
+    storage = fresh(target)
+    storage.fs.invalidate_cache()
+    root = storage.full(path).rstrip("/")
+    return {p[len(root) + 1 :] for p in storage.fs.find(root)}
+
+
+def assert_references_restorable(target, name: str, state: RunState, tmp_path) -> None:
+    """Every checkpoint the run state references exists and verifies against its manifest."""
+    for entry in state.checkpoints:
+        restore(target, name, entry.dir_name, tmp_path)
+    assert state.latest is None or state.latest in {e.dir_name for e in state.checkpoints}
+
+
+def committed_run(target, name: str, tmp_path, cfg: CheckpointConfig) -> tuple[RunState, str]:
+    """A run with one committed checkpoint (index 1, contents tagged 'old')."""
+    storage = fresh(target)
+    state = RunState(name=name)
+    RunStore(storage, name).save(state)
+    dir_name, _ = save(storage, name, state, cfg, 1, rank_files("old"), tmp_path)
+    return state, dir_name
+
+
+# -- invariant 1: files, then the manifest, then the run state, then deletes -----------------------
+
+
+def test_commit_writes_files_then_manifest_then_run_state_then_deletes(storage, tmp_path):
+    name = "order"
+    cfg = CheckpointConfig(num_to_keep=1)
+    state, old = committed_run(storage, name, tmp_path, cfg)
+
+    faulty = FaultyStorage(storage.path, storage.options)
+    new, dropped = save(faulty, name, state, cfg, 2, rank_files("new"), tmp_path)
+
+    assert new != old and dropped == [old]
+    assert faulty.log == [
+        ("upload", f"{name}/{new}"),  # rank 0's files
+        ("upload", f"{name}/{new}"),  # rank 1's files
+        ("write", f"{name}/{new}/{MANIFEST}"),  # the manifest, last of the checkpoint's files
+        ("write", f"{name}/{STATE_FILE}"),  # the commit point
+        ("delete", f"{name}/{old}"),  # only then retention deletes
+    ]
+    manifest = Checkpoint(fresh(storage).uri(f"{name}/{new}"), storage.options).manifest()
+    assert set(manifest["files"]) == set(merged(rank_files("new")))  # every rank's files
+    assert manifest["dir_name"] == new and manifest["report_index"] == 2
+    assert load(storage, name).latest == new
+
+
+def test_round_is_not_committed_until_every_rank_has_uploaded(storage, tmp_path):
+    """A round (and so the manifest) is only formed once every rank's report() has returned,
+    i.e. once every rank's upload is done."""
+    msgs = report_round(fresh(storage), "partial", 1, rank_files("x"), {}, 0, ATTEMPT_0, tmp_path)
+    rounds = ReportRounds(world_size=2, last_index=0)
+    rounds.add(msgs[0])
+    assert rounds.pop_complete() is None
+    rounds.add(msgs[1])
+    assert set(rounds.pop_complete().files) == set(merged(rank_files("x")))
+
+
+def test_checkpoint_without_manifest_is_not_restorable(storage, tmp_path):
+    storage_ = fresh(storage)
+    msgs = report_round(storage_, "uncommitted", 1, rank_files("x"), {}, 0, ATTEMPT_0, tmp_path)
+    ckpt = Checkpoint(storage_.uri(f"uncommitted/{msgs[0]['dir_name']}"), storage.options)
+    with pytest.raises(StorageError, match="never committed"):
+        ckpt.download_verified(str(tmp_path / "restore"))
+
+
+# -- invariant 2: a crash at any point of a save leaves the previous checkpoint restorable ---------
+
+
+def test_crash_at_any_point_of_a_save_leaves_a_restorable_checkpoint(storage, tmp_path):
+    cfg = CheckpointConfig(num_to_keep=1)  # so the save also deletes the previous checkpoint
+    old_files, new_files = merged(rank_files("old")), merged(rank_files("new"))
+
+    # A save without a crash, to learn its mutating calls and where the commit point is.
+    state, _ = committed_run(storage, "dry", tmp_path, cfg)
+    dry = FaultyStorage(storage.path, storage.options)
+    save(dry, "dry", state, cfg, 2, rank_files("new"), tmp_path)
+    ops = [op for op, _ in dry.log]
+    assert ops == ["upload", "upload", "write", "write", "delete"]
+    manifest_at, commit_at = 3, 4  # 1-based positions of the manifest and run-state writes
+
+    cases = [(k, False) for k in range(1, len(ops) + 2)]  # k = len(ops)+1: no crash
+    cases += [(k, True) for k in range(1, len(ops) + 1) if ops[k - 1] == "upload"]
+    for k, torn in cases:
+        name = f"crash-{k}{'-torn' if torn else ''}"
+        state, old = committed_run(storage, name, tmp_path, cfg)
+        faulty = FaultyStorage(storage.path, storage.options, crash_at=k, torn=torn)
+        new = checkpoint_dir_name(2, 0, ATTEMPT_0)
+        try:
+            save(faulty, name, state, cfg, 2, rank_files("new"), tmp_path)
+            assert k == len(ops) + 1, f"no crash at call {k}"
+        except Crash:
+            assert k <= len(ops)
+
+        # The rerun: a fresh storage and run store, one read of the run state.
+        after = load(storage, name)
+        expected, expected_files = (old, old_files) if k <= commit_at else (new, new_files)
+        assert after.latest == expected, f"crash at call {k} ({ops[k - 1:k]}, torn={torn})"
+        restored = restore(storage, name, after.latest, tmp_path)
+        assert restored == expected_files, f"crash at call {k}"
+        assert_references_restorable(storage, name, after, tmp_path)
+        if k <= manifest_at:  # the new directory may hold files, but it is not a checkpoint
+            with pytest.raises(StorageError):
+                restore(storage, name, new, tmp_path)
+
+        # The run goes on: the next attempt resumes there and saves, and crash leftovers go.
+        newer, _ = save(fresh(storage), name, after, cfg, after.report_index + 1,
+                        rank_files("retry"), tmp_path, attempt=1, attempt_id=ATTEMPT_1)
+        resumed = load(storage, name)
+        assert resumed.latest == newer
+        assert restore(storage, name, newer, tmp_path) == merged(rank_files("retry"))
+        manager = CheckpointManager(fresh(storage), RunStore(fresh(storage), name), cfg)
+        manager.collect_orphans(resumed)
+        assert stored_names(storage, name) == {STATE_FILE, newer}
+
+
+# -- invariant 3: a checkpoint directory never mixes files from two attempts -----------------------
+
+
+def test_checkpoint_directory_never_mixes_attempts(storage, tmp_path):
+    name = "attempts"
+    cfg = CheckpointConfig()
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    RunStore(storage_, name).save(state)
+    save(storage_, name, state, cfg, 4, rank_files("base"), tmp_path)
+
+    # Attempt A reports index 5 with a checkpoint, and dies before the driver commits it.
+    files_a = [{"model.pt": b"A" * 10, "only_in_a.pt": b"A"}, {"rng_1.pt": b"A1"}]
+    msgs_a = report_round(storage_, name, 5, files_a, {"loss": 1.0}, 0, ATTEMPT_0, tmp_path)
+    # Attempt B restarts from index 4 and reports index 5 again, with other files.
+    files_b = [{"model.pt": b"B" * 12}, {"rng_1.pt": b"B1", "only_in_b.pt": b"B"}]
+    msgs_b = report_round(storage_, name, 5, files_b, {"loss": 0.5}, 1, ATTEMPT_1, tmp_path)
+    manager = CheckpointManager(storage_, RunStore(storage_, name), cfg)
+    dir_b, _ = commit_round(manager, state, msgs_b, 5, attempt=1)
+
+    dir_a = msgs_a[0]["dir_name"]
+    assert dir_a != dir_b
+    assert stored_files(storage, f"{name}/{dir_b}") == set(merged(files_b)) | {MANIFEST}
+    assert stored_files(storage, f"{name}/{dir_a}") == set(merged(files_a))
+    assert load(storage, name).latest == dir_b
+    assert restore(storage, name, dir_b, tmp_path) == merged(files_b)
+
+
+def test_same_attempt_number_from_another_driver_gets_another_directory():
+    """A driver killed before it recorded its attempt: the next one reuses the attempt number,
+    never the directory (the attempt id differs)."""
+    first = checkpoint_dir_name(5, 0, "3f2a" * 8)
+    second = checkpoint_dir_name(5, 0, "9c1e" * 8)
+    assert first != second
+    assert checkpoint_dir_name(5, 0, ATTEMPT_0) != checkpoint_dir_name(5, 1, ATTEMPT_0)
+
+
+# -- invariant 4: retention keeps the latest, and deletes only what the state no longer references -
+
+
+@pytest.mark.parametrize("order", ["max", "min"])
+def test_retention_never_deletes_the_latest_even_when_it_scores_worst(storage, tmp_path, order):
+    name = f"keep-latest-{order}"
+    cfg = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="acc",
+                           checkpoint_score_order=order)
+    scores = [0.9, 0.5, 0.1] if order == "max" else [0.1, 0.5, 0.9]  # each new one is worse
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    names = []
+    for i, score in enumerate(scores, start=1):
+        dir_name, dropped = save(storage_, name, state, cfg, i, rank_files(f"s{i}"), tmp_path,
+                                 metrics={"acc": score})
+        names.append(dir_name)
+        saved = load(storage, name)
+        assert saved.latest == dir_name
+        kept = {names[0], dir_name}  # the best, and the latest however bad
+        assert {e.dir_name for e in saved.checkpoints} == kept
+        assert stored_names(storage, name) == kept | {STATE_FILE}
+        assert restore(storage, name, dir_name, tmp_path) == merged(rank_files(f"s{i}"))
+    assert dropped == [names[1]]  # the third save dropped the second, no longer latest
+
+
+def test_retention_deletes_only_after_the_run_state_stops_referencing(storage, tmp_path):
+    cfg = CheckpointConfig(num_to_keep=2)
+    storage_ = fresh(storage)
+    for crash_at in (5, None):  # right before the delete (call 5), and after it (no crash)
+        name = f"delete-after-{crash_at}"
+        state = RunState(name=name)
+        for i in (1, 2):
+            save(storage_, name, state, cfg, i, rank_files(f"s{i}"), tmp_path)
+        first = state.checkpoints[0].dir_name
+        seen: list[tuple[str, set[str]]] = []  # (deleted, what the stored state referenced then)
+
+        def stored_refs_at_delete(path: str, name=name, seen=seen) -> None:
+            refs = {e.dir_name for e in load(storage, name).checkpoints}
+            seen.append((path.rsplit("/", 1)[1], refs))
+
+        faulty = FaultyStorage(storage.path, storage.options, crash_at=crash_at,
+                               on_delete=stored_refs_at_delete)
+        try:
+            save(faulty, name, state, cfg, 3, rank_files("s3"), tmp_path)
+            assert seen and seen[0][0] == first and first not in seen[0][1]
+        except Crash:
+            assert crash_at == 5 and faulty.log[-1] == ("write", f"{name}/{STATE_FILE}")
+        saved = load(storage, name)
+        assert first not in {e.dir_name for e in saved.checkpoints}
+        assert_references_restorable(storage, name, saved, tmp_path)
+        # After a crash: an orphan directory, never a reference to a deleted one.
+        assert (first in stored_names(storage, name)) == (crash_at is not None)
+
+
+@pytest.mark.parametrize("order", ["max", "min"])
+@pytest.mark.parametrize("num_to_keep", [1, 2, 3])
+def test_retained_keeps_the_latest_and_the_best(order, num_to_keep):
+    """Property check of `retained` over random histories (seeded): the latest is always kept,
+    at most num_to_keep others, and nothing dropped outranks a kept non-latest checkpoint."""
+    rng = random.Random(f"{order}-{num_to_keep}")
+    cfg = CheckpointConfig(num_to_keep=num_to_keep, checkpoint_score_attribute="score",
+                           checkpoint_score_order=order)
+
+    def goodness(e: CheckpointEntry) -> float:
+        v = e.metrics.get("score")
+        if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+            return -math.inf  # missing, NaN (stored as the string "nan") rank worst
+        return v if order == "max" else -v
+
+    for _ in range(200):
+        entries: list[CheckpointEntry] = []
+        for i in range(1, rng.randint(1, 8) + 1):
+            metrics = rng.choice([{"score": rng.choice([0.1, 0.5, 0.9, rng.random()])}, {},
+                                  {"score": "nan"}])
+            entries.append(CheckpointEntry(dir_name=f"c{i}", report_index=i, metrics=metrics))
+            latest = entries[-1].dir_name
+            kept = retained(entries, latest, cfg)
+            assert latest in kept
+            assert kept == [e.dir_name for e in entries if e.dir_name in kept]  # commit order
+            others = [e for e in entries if e.dir_name in kept and e.dir_name != latest]
+            assert len(others) <= num_to_keep
+            dropped = [e for e in entries if e.dir_name not in kept]
+            if dropped:
+                assert len(kept) >= num_to_keep
+                worst_kept = min(goodness(e) for e in others) if others else math.inf
+                assert all(goodness(d) <= worst_kept for d in dropped)
+            entries = [e for e in entries if e.dir_name in kept]
+
+
+# -- invariant 5: a rerun finds its state in O(1) reads, not by listing ----------------------------
+
+
+LISTING = {"ls", "listdir", "find", "glob", "walk", "du", "expand_path", "scandir"}
+
+
+class _CountingFS:
+    """Forwards to a real filesystem and counts the methods called on it."""
+
+    def __init__(self, fs, calls: Counter):
+        self._fs, self._calls = fs, calls
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._fs, attr)
+        if not callable(value):
+            return value
+
+        def counted(*args, **kwargs):
+            self._calls[f"fs.{attr}"] += 1
+            return value(*args, **kwargs)
+
+        return counted
+
+
+class CountingStorage(Storage):
+    """A real Storage counting its own calls and its filesystem's."""
+
+    def __init__(self, url, options=None, calls: Optional[Counter] = None):
+        super().__init__(url, options)
+        self.calls = calls if calls is not None else Counter()
+
+    @property
+    def fs(self):
+        return _CountingFS(super().fs, self.calls)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(super().fs, LocalFileSystem)
+
+    def read_bytes(self, path):
+        self.calls["read_bytes"] += 1
+        return super().read_bytes(path)
+
+    def write_atomic(self, path, data):
+        self.calls["write_atomic"] += 1
+        return super().write_atomic(path, data)
+
+    def upload_dir(self, local_dir, path):
+        self.calls["upload_dir"] += 1
+        return super().upload_dir(local_dir, path)
+
+    def download_files(self, path, rels, local_dir):
+        self.calls["download_files"] += 1
+        return super().download_files(path, rels, local_dir)
+
+    def delete_dir(self, path):
+        self.calls["delete_dir"] += 1
+        return super().delete_dir(path)
+
+    def list_dir(self, path):
+        self.calls["list_dir"] += 1
+        return super().list_dir(path)
+
+
+def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_path, monkeypatch):
+    storage_ = fresh(storage)
+    for name, n in (("few", 3), ("many", 60)):
+        state = RunState(name=name)
+        manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig())
+        for i in range(1, n + 1):
+            dir_name = checkpoint_dir_name(i, 0, ATTEMPT_0)
+            storage_.write_atomic(f"{name}/{dir_name}/w.pt", b"w")
+            manager.commit(state, dir_name, i, {"step": i}, {"w.pt": {"size": 1, "sha256": ""}}, 0)
+        assert len(load(storage, name).checkpoints) == n
+
+    counts = {}
+    for name in ("few", "many"):
+        calls: Counter = Counter()
+        monkeypatch.setattr(driver, "Storage", lambda url, options=None, c=calls:
+                            CountingStorage(url, options, c))
+        plan = driver.prepare_run(
+            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+            RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
+            log=lambda msg: None,
+        )
+        assert isinstance(plan.storage, CountingStorage)  # the counter saw the driver's storage
+        assert plan.state.latest == checkpoint_dir_name(len(plan.state.checkpoints), 0, ATTEMPT_0)
+        counts[name] = calls
+
+    assert counts["few"] == counts["many"], counts
+    assert counts["many"]["read_bytes"] == 1
+    assert counts["many"]["list_dir"] == 0
+    assert not {c for c in counts["many"] if c.removeprefix("fs.") in LISTING}, counts["many"]
+
+
+# -- crash leftovers, damage, and refusal ----------------------------------------------------------
+
+
+def test_collect_orphans_removes_uncommitted_directories_only(storage, tmp_path):
+    name = "orphans"
+    cfg = CheckpointConfig()
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    RunStore(storage_, name).save(state)
+    committed, _ = save(storage_, name, state, cfg, 1, rank_files("c1"), tmp_path)
+    # Leftovers of a crashed attempt: uploads without a manifest...
+    msgs = report_round(storage_, name, 2, rank_files("lost"), {}, 1, ATTEMPT_1, tmp_path)
+    uploaded_only = msgs[0]["dir_name"]
+    # ...and a manifest written by a driver that died before the run state referenced it.
+    with_manifest = checkpoint_dir_name(2, 2, "77" * 16)
+    storage_.write_atomic(f"{name}/{with_manifest}/{MANIFEST}", b"{}")
+    storage_.write_atomic(f"{name}/notes/readme.txt", b"not a checkpoint")  # not ours: left alone
+
+    manager = CheckpointManager(storage_, RunStore(storage_, name), cfg)
+    assert sorted(manager.collect_orphans(load(storage, name))) == sorted([uploaded_only,
+                                                                           with_manifest])
+    assert stored_names(storage, name) == {STATE_FILE, committed, "notes"}
+    assert restore(storage, name, committed, tmp_path) == merged(rank_files("c1"))
+    assert manager.collect_orphans(load(storage, name)) == []
+
+
+def _committed_single(target, name, tmp_path) -> tuple[Storage, str]:
+    storage_ = fresh(target)
+    state = RunState(name=name)
+    dir_name, _ = save(storage_, name, state, CheckpointConfig(), 1, rank_files("ok"), tmp_path)
+    return storage_, dir_name
+
+
+
+
+@pytest.mark.parametrize(
+    "damage", ["same_size", "other_size", "missing"]
+)
+def test_damaged_checkpoint_file_fails_verification(storage, tmp_path, damage):
+    name = f"damaged-{damage}"
+    storage_, dir_name = _committed_single(storage, name, tmp_path)
+    original = restore(storage, name, dir_name, tmp_path)["model.pt"]
+    target = f"{name}/{dir_name}/model.pt"
+    if damage == "same_size":
+        storage_.write_atomic(target, bytes(reversed(original)) if original != original[::-1]
+                              else b"X" * len(original))
+    elif damage == "other_size":
+        storage_.write_atomic(target, original + b"tail")
+    else:
+        storage_.fs.rm(storage_.full(target))
+    with pytest.raises(StorageError, match="model.pt"):
+        restore(storage, name, dir_name, tmp_path)
+
+
+def test_restore_through_as_directory_verifies_the_manifest(storage, tmp_path, request):
+    """What a rank does on resume: get_checkpoint().as_directory(). A damaged file must not be
+    handed to the training function."""
+    name = "damaged-as-directory"
+    storage_, dir_name = _committed_single(storage, name, tmp_path)
+    storage_.write_atomic(f"{name}/{dir_name}/model.pt", b"X" * len(b"model ok"))
+    ckpt = Checkpoint(storage_.uri(f"{name}/{dir_name}"), storage.options)
+    with pytest.raises(StorageError, match="model.pt"):
+        with ckpt.as_directory():
+            pass
+
+
+def test_torn_run_state_gives_a_clear_storage_error(storage, tmp_path):
+    name = "torn"
+    storage_ = fresh(storage)
+    whole = RunState(name=name).model_dump_json().encode()
+    storage_.write_atomic(f"{name}/{STATE_FILE}", whole[: len(whole) // 2])
+    with pytest.raises(StorageError, match="not valid JSON") as err:
+        RunStore(fresh(storage), name).load()
+    assert STATE_FILE in str(err.value) and "run_config.name" in str(err.value)
+    with pytest.raises(StorageError, match="not valid JSON"):  # the driver refuses too
+        driver.prepare_run(
+            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+            RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
+            log=lambda msg: None,
+        )
+    storage_.write_atomic(f"{name}/{STATE_FILE}", b'{"schema_version": 1, "checkpoints": 3}')
+    with pytest.raises(StorageError, match="is not a run state"):
+        RunStore(fresh(storage), name).load()
+
+
+def test_run_state_from_a_newer_schema_is_refused_and_left_untouched(storage, tmp_path):
+    name = "future"
+    storage_ = fresh(storage)
+    doc = json.loads(RunState(name=name).model_dump_json())
+    doc["schema_version"] = SCHEMA_VERSION + 1
+    raw = json.dumps(doc).encode()
+    storage_.write_atomic(f"{name}/{STATE_FILE}", raw)
+    with pytest.raises(StorageError, match="upgrade ft-train"):
+        RunStore(fresh(storage), name).load()
+    with pytest.raises(StorageError, match=f"schema_version {SCHEMA_VERSION + 1}"):
+        driver.prepare_run(
+            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+            RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
+            log=lambda msg: None,
+        )
+    assert fresh(storage).read_bytes(f"{name}/{STATE_FILE}") == raw  # not overwritten

@@ -1,0 +1,106 @@
+"""Worker process failures: a rank raises or is SIGKILLed; the group restarts from the latest
+committed checkpoint, and each restart is charged to max_failures."""
+
+import pytest
+
+import ft_train
+from tests.helpers import demo_config, fault, load_state, train_demo
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
+    # checkpoints every 5 steps; rank 1 fails at step 7, after the checkpoint of step 5.
+    # The kill variant also runs DataLoader(num_workers=2) inside each rank, before and after
+    # the restart (worker processes must not be daemonic, also once the nanny restarted them).
+    config = demo_config([fault(tmp_path, 1, 7, kind)], loader_workers=2 if kind == "kill" else 0)
+    result = train_demo(storage, f"fail-{kind}", config, max_failures=1)
+
+    assert result.status == "finished" and result.error is None
+    assert [(f.kind, f.rank) for f in result.failures] == [
+        ("exception" if kind == "raise" else "process_death", 1)
+    ]
+    state = load_state(storage, f"fail-{kind}")
+    assert len(state.attempts) == 2  # exactly one restart
+    restored = state.attempts[1].restored_from
+    assert restored is not None and restored.startswith("checkpoint_000005-a0-")
+    assert state.attempts[1].start_report_index == 5
+    # the training function itself saw the checkpoint of step 5, not a fresh start
+    assert result.metrics["resumed_from"] == 5
+    assert result.metrics["step"] == 12
+    assert result.checkpoint.path.endswith(state.latest)
+
+
+def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, tmp_path):
+    config = demo_config([fault(tmp_path, 1, 7)])
+    with pytest.raises(ft_train.TrainingFailedError) as err:
+        train_demo(storage, "budget-0", config, max_failures=0)
+    assert "max_failures=0" in str(err.value)
+    assert "exception on rank 1 at step 7" in str(err.value)
+    state = load_state(storage, "budget-0")
+    assert state.status == "failed" and len(state.attempts) == 1
+    assert ft_train.TrainResult.from_path(storage.path, "budget-0", storage.options).error
+
+    # The same name again: the run resumes from its latest checkpoint with a fresh budget.
+    result = train_demo(storage, "budget-0", config, max_failures=0)
+    assert result.status == "finished"
+    assert result.metrics["resumed_from"] == 5
+
+
+def test_max_failures_two_fails_on_the_third_failure(storage, tmp_path):
+    faults = [fault(tmp_path, 1, 2), fault(tmp_path, 0, 6), fault(tmp_path, 1, 9)]
+    with pytest.raises(ft_train.TrainingFailedError) as err:
+        train_demo(storage, "budget-2", demo_config(faults), max_failures=2)
+    message = str(err.value)
+    assert "3 failures exceed max_failures=2" in message
+    for rank, step in [(1, 2), (0, 6), (1, 9)]:
+        assert f"on rank {rank} at step {step}" in message
+    state = load_state(storage, "budget-2")
+    assert state.status == "failed" and len(state.failures) == 3 and len(state.attempts) == 3
+
+
+def test_unlimited_failures_survive_five(storage, tmp_path):
+    faults = [fault(tmp_path, s % 2, s) for s in (1, 3, 6, 8, 11)]
+    result = train_demo(storage, "budget-inf", demo_config(faults), max_failures=-1)
+    assert result.status == "finished"
+    assert [f.step for f in result.failures] == [1, 3, 6, 8, 11]
+    assert result.metrics["step"] == 12
+
+
+def test_errors_no_retry_can_fix_fail_at_once(storage):
+    from flows.train import train
+
+    # an import path that does not resolve: fails before any worker starts or any state is written
+    with pytest.raises(ft_train.TrainLoopImportError, match="no_such_module"):
+        train(
+            train_loop="no_such_module:fn",
+            run_config=ft_train.RunConfig(
+                name="bad-import", storage_path=storage.path, storage_options=storage.options,
+                failure_config=ft_train.FailureConfig(max_failures=3),
+            ),
+        )
+    assert load_state(storage, "bad-import") is None
+
+    # a broken report() contract is not retried either, whatever max_failures allows
+    with pytest.raises(ft_train.SessionError, match="same number of times"):
+        train(
+            train_loop="tests.loops:unequal_reports",
+            scaling_config=ft_train.ScalingConfig(num_workers=2),
+            run_config=ft_train.RunConfig(
+                name="unequal", storage_path=storage.path, storage_options=storage.options,
+                failure_config=ft_train.FailureConfig(max_failures=3),
+            ),
+        )
+    state = load_state(storage, "unequal")
+    assert state.failures == [] and len(state.attempts) == 1 and state.status == "failed"
+
+
+def test_invalid_config_is_refused_before_anything_runs(storage):
+    from flows.train import train
+
+    with pytest.raises(Exception, match="run_config.name"):
+        train(
+            train_loop="tests.loops:report_many",
+            run_config={"name": "../escape", "storage_path": storage.path},
+        )
