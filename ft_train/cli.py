@@ -182,27 +182,32 @@ def print_summary(result: TrainResult, out: TextIO = sys.stdout) -> None:
 # -- demo --------------------------------------------------------------------------------------
 
 
-class _ReportedErrorsWithoutTraceback(logging.Filter):
-    """Drop the traceback from console records about ft-train's own errors.
+class _DemoConsole(logging.Filter):
+    """What the demo's console leaves out of the flow's logs; Prefect's API log handler, which
+    sees each record before the console does, still stores all of it.
 
-    A group failure that Prefect retries, a spent failure budget, or bad input is an FtTrainError
-    whose message says what happened (the rank's own traceback is logged by the controller, and
-    the summary lists every failure). Its traceback would show only ft-train's and Prefect's
-    internals. Any other exception keeps its traceback, and Prefect's API log handler, which sees
-    the record before the console does, still stores it in full.
+    - The traceback of ft-train's own errors. A group failure that Prefect retries, a spent
+      failure budget, or bad input is an FtTrainError whose message says what happened; the
+      rank's own traceback is logged by the controller, and the summary lists every failure.
+      Their traceback would show only ft-train's and Prefect's internals. Any other exception
+      keeps its traceback.
+    - "Finished in state Completed()" of each task run: one per checkpoint, it would double the
+      progress lines. Failed and crashed states, and the flow run's end, are kept.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, FtTrainError):
             record.exc_info, record.exc_text = None, None
+        if getattr(record, "task_run_id", None) is not None and isinstance(record.msg, str):
+            return not record.msg.startswith("Finished in state Completed(")
         return True
 
 
-def _console_without_internal_tracebacks() -> None:
+def _quiet_console() -> None:
     # Prefect's console handler sits on the root logger; flow and task run records reach it last.
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_ReportedErrorsWithoutTraceback())
+        handler.addFilter(_DemoConsole())
 
 
 def _demo_steps(workers: int, epochs: int) -> int:
@@ -294,11 +299,13 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         _say(f"ft-train demo: resuming run {args.name!r} ({before.status}){crash}")
 
-    # Before Prefect is imported: an offline machine must not print telemetry errors.
+    # Before Prefect is imported: an offline machine must not print telemetry errors, and the
+    # temporary server's first start (a fresh database) may take longer than Prefect's 20 s.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.train import train  # imports Prefect and sets up its logging
 
-    _console_without_internal_tracebacks()
+    _quiet_console()
     try:
         result = train(
             train_loop=DEMO_TRAIN_LOOP,

@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
+import dask
 from distributed import Client
 
 from .errors import WorkerStartupError
@@ -41,6 +42,9 @@ class GroupPlan:
     num_workers: int
     use_gpu: bool
     start_timeout_s: float
+
+
+KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
 
 
 async def _hard_exit() -> None:
@@ -185,17 +189,22 @@ class WorkerGroup:
         alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
         killed = {failed} & alive
         if killed:
-            self.client.run(_hard_exit, workers=list(killed), wait=False)
+            self._kill(list(killed))
         deadline = time.monotonic() + grace_s
         while not all(f.done() for f in self.futures) and time.monotonic() < deadline:
             time.sleep(0.01)  # bounded by grace_s; the ones still running are killed below
         stuck = [a for a, f in zip(self.addresses, self.futures) if not f.done() and a in alive]
         if stuck:
-            # The process exits in its event loop, even while the rank's thread is blocked.
-            self.client.run(_hard_exit, workers=stuck, wait=False)
+            self._kill(stuck)
         self.client.cancel(self.futures, force=True)
         self.futures = []
         return set(stuck) | killed | (set(self.addresses) - alive)
+
+    def _kill(self, addresses: list[str]) -> None:
+        """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
+        even while a rank's thread is blocked. A worker that is already gone is no error."""
+        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
+            self.client.run(_hard_exit, workers=addresses, wait=False, on_error="ignore")
 
     def _unsubscribe(self) -> None:
         for topic in (self.topic, "all"):

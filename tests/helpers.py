@@ -32,13 +32,15 @@ def fault(tmp_path, rank, step, kind="raise") -> dict:
     return {"rank": rank, "step": step, "kind": kind, "marker": str(tmp_path / f"fault-{rank}-{step}")}
 
 
-def train_demo(storage, name, config, max_failures=0, workers=2, **kw) -> ft_train.TrainResult:
+def train_demo(
+    storage, name, config, max_failures=0, workers=2, use_gpu=False, **kw
+) -> ft_train.TrainResult:
     from flows.train import train
 
     return train(
         train_loop=DEMO,
         train_loop_config=config,
-        scaling_config=ft_train.ScalingConfig(num_workers=workers),
+        scaling_config=ft_train.ScalingConfig(num_workers=workers, use_gpu=use_gpu),
         run_config=run_config(storage, name, max_failures),
         **kw,
     )

@@ -90,27 +90,31 @@ class Controller:
                 return segment
 
     def abort(self, error: BaseException) -> None:
-        """The driver is going away (Ctrl+C, SIGTERM, an unexpected error): stop the ranks and
-        record why, so the next flow run with the same name resumes."""
-        if isinstance(self.phase, Running):
-            self.phase.group.stop(grace_s=0.0)
-        if self.phase.is_terminal:
-            return
-        if isinstance(error, Exception):
-            self.state.status, self.state.error = "failed", f"{type(error).__name__}: {error}"
-        else:
-            self.state.status = "interrupted"
-            self.state.failures.append(
-                FailureRecord(
-                    kind="driver_interrupt",
-                    error=type(error).__name__,
-                    attempt=self._attempt(),
-                    step=self.rounds.last_index,
-                    charged=False,
+        """The driver is going away (Ctrl+C, SIGTERM, an unexpected error): record why, so the
+        next flow run with the same name resumes, then stop the ranks."""
+        if not self.phase.is_terminal:
+            if isinstance(error, Exception):
+                self.state.status, self.state.error = "failed", f"{type(error).__name__}: {error}"
+            else:  # KeyboardInterrupt, SystemExit, Prefect's TerminationSignal: not charged
+                self.state.status = "interrupted"
+                self.state.failures.append(
+                    FailureRecord(
+                        kind="driver_interrupt",
+                        error=type(error).__name__,
+                        attempt=self._attempt(),
+                        step=self.rounds.last_index,
+                        charged=False,
+                    )
                 )
-            )
-        self.store.save(self.state)
-        self.phase = Errored(TrainingFailedError(self.state.error or "interrupted"))
+            # Crash ordering: the record first, so a driver killed while stopping still leaves it.
+            self.store.save(self.state)
+        if isinstance(self.phase, Running):
+            try:
+                self.phase.group.stop(grace_s=0.0)
+            except Exception as e:  # the driver is leaving anyway; a local cluster dies with it
+                self.log(f"could not stop every rank ({type(e).__name__}: {e})")
+        if not self.phase.is_terminal:
+            self.phase = Errored(TrainingFailedError(self.state.error or "interrupted"))
 
     # -- transitions --------------------------------------------------------------------------
 

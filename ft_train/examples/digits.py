@@ -41,11 +41,25 @@ def build_model(hidden: int, dropout: float) -> nn.Module:
 
 def accuracy(model: nn.Module, data: TensorDataset) -> float:
     model.eval()
+    device = next(model.parameters()).device
     with torch.no_grad():
-        x, y = data.tensors
+        x, y = (t.to(device) for t in data.tensors)
         acc = (model(x).argmax(dim=1) == y).float().mean().item()
     model.train()
     return acc
+
+
+def get_rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -79,7 +93,7 @@ def train_loop(config: dict[str, Any]) -> None:
             epoch, batch, step = state["epoch"], state["batch"], state["step"]
             rng = os.path.join(d, f"rng_rank{rank}.pt")
             if os.path.exists(rng):
-                torch.set_rng_state(torch.load(rng))
+                set_rng_state(torch.load(rng, weights_only=False))
         resumed_from = step
 
     loss_fn = nn.CrossEntropyLoss()
@@ -103,7 +117,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 metrics["val_accuracy"] = accuracy(raw_model, val_set)
             if step % checkpoint_every == 0 or done:
                 with tempfile.TemporaryDirectory() as d:
-                    torch.save(torch.get_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
+                    torch.save(get_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
                     if rank == 0:
                         torch.save(
                             {

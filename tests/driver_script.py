@@ -1,0 +1,21 @@
+"""A driver process for tests that kill the driver: runs the demo flow from JSON arguments."""
+
+import json
+import sys
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    sys.path.insert(0, args["repo"])
+    import ft_train
+    from flows.train import train
+
+    train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=args["config"],
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name=args["name"],
+            storage_path=args["storage_path"],
+            storage_options=args["storage_options"],
+        ),
+    )

@@ -1,0 +1,75 @@
+"""Job driver failures: the flow process dies (SIGKILL of it and its local cluster) or is stopped
+with Ctrl+C; a new flow run with the same (storage_path, name) resumes from the latest committed
+checkpoint, without charging max_failures, and ends bit-identical to an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    assert_bit_identical,
+    demo_config,
+    final_weights,
+    load_state,
+    train_demo,
+    wait_for,
+)
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def start_driver(storage, name, config, api_url, tmp_path) -> subprocess.Popen:
+    env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO)
+    args = dict(repo=REPO, name=name, config=config, storage_path=storage.path,
+                storage_options=storage.options)
+    log = open(tmp_path / f"driver-{name}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, str(Path(REPO) / "tests" / "driver_script.py"), json.dumps(args)],
+        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the driver and its local Dask cluster
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
+    storage, tmp_path, prefect_api, sig
+):
+    # Rank 0 blocks right after the second checkpoint (step 10), once, so the driver dies there.
+    hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
+    config = demo_config([hold], epochs=2, checkpoint_every=5)
+    driver = start_driver(storage, "victim", config, prefect_api, tmp_path)
+    try:
+        wait_for(
+            lambda: (s := load_state(storage, "victim")) is not None and s.report_index == 10,
+            timeout_s=240,
+            what="the second checkpoint of the driver under test",
+        )
+        wait_for(lambda: os.path.exists(hold["marker"]), 60, "rank 0 to hold at step 10")
+        os.killpg(driver.pid, sig)  # Ctrl+C in a terminal also signals the whole group
+        assert driver.wait(timeout=120) != 0
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    killed = load_state(storage, "victim")
+    assert killed.status == ("running" if sig == signal.SIGKILL else "interrupted")
+    assert killed.latest.startswith("checkpoint_000010-")
+
+    # A different name starts fresh: the uninterrupted reference run.
+    reference = train_demo(storage, "reference", demo_config(epochs=2, checkpoint_every=5))
+    ref_state = load_state(storage, "reference")
+    assert ref_state.attempts[0].restored_from is None and reference.failures == []
+
+    # The same name resumes from the second checkpoint; max_failures=0 is not spent by it.
+    resumed = train_demo(storage, "victim", config, max_failures=0)
+    state = load_state(storage, "victim")
+    assert resumed.status == "finished"
+    assert state.attempts[-1].restored_from == killed.latest
+    assert resumed.metrics["resumed_from"] == 10
+    kind = "driver_crash" if sig == signal.SIGKILL else "driver_interrupt"
+    assert [(f.kind, f.charged) for f in resumed.failures] == [(kind, False)]
+    assert_bit_identical(final_weights(resumed), final_weights(reference))

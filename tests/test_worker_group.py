@@ -1,0 +1,43 @@
+"""The rank side on a real Dask worker, without the controller: report() never waits for the
+driver, and report rounds consolidate every rank's k-th report."""
+
+import ft_train
+from ft_train.cluster import dask_client
+from ft_train.controller.rounds import ReportRounds
+from ft_train.rank import free_port, run_rank
+from ft_train.session import RankSpec
+from ft_train.storage import Storage
+
+
+def test_report_does_not_wait_for_the_driver(tmp_path):
+    # Nobody listens to the rank's topic: if report() waited for the driver in any way, the
+    # rank would never finish its 500 reports.
+    with dask_client(ft_train.ClusterConfig(n_workers=1), ft_train.ScalingConfig()) as client:
+        addr = next(iter(client.scheduler_info()["workers"]))
+        spec = RankSpec(
+            train_loop="tests.loops:report_many", config={"n": 500}, rank=0, world_size=1,
+            local_rank=0, local_world_size=1, node_rank=0, name="nobody-listens", attempt=0,
+            attempt_id="0" * 32, master_addr="127.0.0.1",
+            master_port=client.run(free_port, workers=[addr])[addr], backend="gloo",
+            use_gpu=False, storage=Storage(str(tmp_path)), checkpoint_dir=None,
+            start_report_index=0, topic="ft-train-nobody-listens",
+        )
+        done = client.submit(run_rank, spec, workers=[addr], pure=False).result(timeout=120)
+    assert done == {"rank": 0, "reports": 500}
+
+
+def test_rounds_complete_in_order_once_every_rank_reported():
+    rounds = ReportRounds(world_size=2, last_index=4)
+    rounds.add({"rank": 1, "index": 5, "metrics": {"r": 1},
+                "dir_name": "checkpoint_000005-a0-x", "files": {"b": {}}})
+    rounds.add({"rank": 1, "index": 6, "metrics": {"r": 1}})
+    assert rounds.pop_complete() is None  # rank 0 has not reported round 5 yet
+    rounds.add({"rank": 0, "index": 6, "metrics": {"r": 0}})
+    assert rounds.pop_complete() is None  # round 6 waits for round 5
+    rounds.add({"rank": 0, "index": 5, "metrics": {"r": 0},
+                "dir_name": "checkpoint_000005-a0-x", "files": {"a": {}}})
+    five = rounds.pop_complete()
+    assert (five.index, five.metrics, sorted(five.files)) == (5, {"r": 0}, ["a", "b"])
+    six = rounds.pop_complete()
+    assert (six.index, six.dir_name) == (6, None)
+    assert rounds.pop_complete() is None
