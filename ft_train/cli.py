@@ -73,7 +73,7 @@ def _add_storage_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="an fsspec option (endpoint_url=..., key=..., secret=...); KEY:=JSON for a typed "
-        "value; repeat for more. Never printed.",
+        "value; repeat for more",
     )
 
 
@@ -96,7 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="ranks (default: %(default)s)")
     demo.add_argument("--epochs", type=int, default=4, help="epochs (default: %(default)s)")
     demo.add_argument(
-        "--checkpoint-every", type=int, default=5, help="steps per checkpoint (default: %(default)s)"
+        "--checkpoint-every",
+        type=int,
+        default=5,
+        help="steps between checkpoints (default: %(default)s)",
     )
     demo.add_argument(
         "--num-to-keep", type=int, default=2, help="checkpoints to keep (default: %(default)s)"
@@ -153,6 +156,12 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
     return "  ".join(f"{k}={fmt(v)}" for k, v in metrics.items())
 
 
+def _headline(error: BaseException) -> str:
+    """An error's first line. A TrainingFailedError goes on to list the failures, which the
+    summary shows already."""
+    return str(error).splitlines()[0].removesuffix(" Failures:")
+
+
 def print_summary(result: TrainResult, out: TextIO = sys.stdout) -> None:
     """A run, as a person reads it: where it lives, how it ended, what it kept, what failed."""
     kept = len(result.best_checkpoints)
@@ -174,8 +183,8 @@ def print_summary(result: TrainResult, out: TextIO = sys.stdout) -> None:
         note = "" if f.charged else ", not charged to max_failures"
         print(f"    - {f.kind}{where}: {f.error} (attempt {f.attempt}{note})", file=out)
     w("metrics", _fmt_metrics(result.metrics) if result.metrics else "none reported")
-    if result.error is not None:  # its first line; the rest repeats the failures listed above
-        w("error", str(result.error).splitlines()[0])
+    if result.error is not None:
+        w("error", _headline(result.error))
     out.flush()
 
 
@@ -232,7 +241,8 @@ def _fault_marker(run_config: RunConfig, rank: int, step: int) -> str:
 
 def _load_state(run_config: RunConfig) -> Optional[RunState]:
     try:
-        return RunStore(Storage(run_config.storage_path, run_config.storage_options), run_config.name).load()
+        storage = Storage(run_config.storage_path, run_config.storage_options)
+        return RunStore(storage, run_config.name).load()
     except StorageError:
         raise
     except Exception as e:  # fsspec backends raise their own types; say which setting to check
@@ -246,16 +256,10 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.crash_at_step is not None:
-        if not 0 <= args.crash_rank < args.workers:
-            parser.error(f"--crash-rank {args.crash_rank} must be between 0 and --workers - 1")
-        total = _demo_steps(args.workers, args.epochs)
-        if not 0 <= args.crash_at_step < total:
-            parser.error(
-                f"--crash-at-step {args.crash_at_step}: {args.workers} ranks train "
-                f"{args.epochs} epoch(s) in {total} steps; pick a step from 0 to {total - 1}"
-            )
+def _check_demo_args(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The run's configs, or a usage error (exit 2) naming the option to change."""
+    if args.epochs < 1 or args.checkpoint_every < 1:
+        parser.error("--epochs and --checkpoint-every must be at least 1")
     try:
         run_config = _run_config(
             args,
@@ -265,39 +269,58 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         scaling = ScalingConfig(num_workers=args.workers)
     except ValidationError as e:
         parser.error(_validation_message(e))
-    if args.epochs < 1 or args.checkpoint_every < 1:
-        parser.error("--epochs and --checkpoint-every must be at least 1")
+    if args.crash_at_step is not None:
+        if not 0 <= args.crash_rank < args.workers:
+            parser.error(f"--crash-rank {args.crash_rank} must be between 0 and --workers - 1")
+        total = _demo_steps(args.workers, args.epochs)
+        if not 0 <= args.crash_at_step < total:
+            parser.error(
+                f"--crash-at-step {args.crash_at_step}: {args.workers} ranks train "
+                f"{args.epochs} epoch(s) in {total} steps; pick a step from 0 to {total - 1}"
+            )
+    return run_config, scaling
 
+
+def _demo_config(
+    args: argparse.Namespace, run_config: RunConfig, before: Optional[RunState]
+) -> tuple[dict[str, Any], Optional[str]]:
+    """The training function's config, and the crash's marker file when one is injected."""
+    config: dict[str, Any] = {"epochs": args.epochs, "checkpoint_every": args.checkpoint_every}
+    if args.crash_at_step is None:
+        return config, None
+    marker = _fault_marker(run_config, args.crash_rank, args.crash_at_step)
+    if before is None and os.path.exists(marker):
+        os.remove(marker)  # left by an earlier run of this name whose storage was deleted
+    config["faults"] = [
+        {"rank": args.crash_rank, "step": args.crash_at_step, "kind": "raise", "marker": marker}
+    ]
+    return config, marker
+
+
+def _announce(args: argparse.Namespace, before: Optional[RunState], crash: bool) -> None:
+    crashing = ""
+    if crash:
+        crashing = f"; rank {args.crash_rank} will crash once before step {args.crash_at_step}"
+    if before is None:
+        _say(
+            f"ft-train demo: run {args.name!r}, an MLP on the digits data set, {args.workers} "
+            f"ranks, {args.epochs} epoch(s), max_failures={args.max_failures}{crashing}"
+        )
+    elif before.status == "finished":
+        _say(f"ft-train demo: run {args.name!r} exists and has finished; the flow returns it")
+    else:
+        _say(f"ft-train demo: resuming run {args.name!r} ({before.status}){crashing}")
+
+
+def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    run_config, scaling = _check_demo_args(args, parser)
     try:
         before = _load_state(run_config)
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-
-    config: dict[str, Any] = {"epochs": args.epochs, "checkpoint_every": args.checkpoint_every}
-    marker = None
-    if args.crash_at_step is not None:
-        marker = _fault_marker(run_config, args.crash_rank, args.crash_at_step)
-        if before is None and os.path.exists(marker):
-            os.remove(marker)  # left by an earlier run of this name whose storage was deleted
-        config["faults"] = [
-            {"rank": args.crash_rank, "step": args.crash_at_step, "kind": "raise", "marker": marker}
-        ]
-
-    crash = (
-        f"; rank {args.crash_rank} will crash once before step {args.crash_at_step}"
-        if marker
-        else ""
-    )
-    if before is None:
-        _say(
-            f"ft-train demo: run {args.name!r}, an MLP on the digits data set, {args.workers} "
-            f"ranks, {args.epochs} epoch(s), max_failures={args.max_failures}{crash}"
-        )
-    elif before.status == "finished":
-        _say(f"ft-train demo: run {args.name!r} exists and has finished; the flow returns it")
-    else:
-        _say(f"ft-train demo: resuming run {args.name!r} ({before.status}){crash}")
+    config, marker = _demo_config(args, run_config, before)
+    _announce(args, before, crash=marker is not None)
 
     # Before Prefect is imported: an offline machine must not print telemetry errors, and the
     # temporary server's first start (a fresh database) may take longer than Prefect's 20 s.
@@ -337,15 +360,18 @@ def _report_failure(args: argparse.Namespace, run_config: RunConfig, error: FtTr
     except StorageError as read_error:  # the run's own error, printed below, matters more
         print(f"(the stored run cannot be read: {read_error})", file=sys.stderr)
         state = None
-    if state is not None:
-        _say(f"\nRun {args.name!r} {state.status}.")
-        storage = Storage(run_config.storage_path, run_config.storage_options)
-        print_summary(TrainResult.from_state(storage, state, run_config.checkpoint_config))
-    print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-    if state is not None and state.status == "failed":
+    if state is None:
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    _say(f"\nRun {args.name!r} {state.status}.")
+    storage = Storage(run_config.storage_path, run_config.storage_options)
+    print_summary(TrainResult.from_state(storage, state, run_config.checkpoint_config))
+    # The summary lists the failures: the error's first line is enough here.
+    print(f"error: {type(error).__name__}: {_headline(error)}", file=sys.stderr, flush=True)
+    if state.status == "failed":
         _say(
-            "Run the same command again to resume from the latest checkpoint with a fresh "
-            "failure budget, or raise --max-failures."
+            "Run the same command again to resume it, from its latest checkpoint if any, with a "
+            "fresh failure budget; or raise --max-failures."
         )
     return EXIT_FAILED
 

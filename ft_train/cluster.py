@@ -53,7 +53,7 @@ def _gpu_cluster(n: int) -> SpecCluster:
         }
         for i in range(n)
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
     return SpecCluster(scheduler=scheduler, workers=workers, silence_logs=logging.ERROR)
 
 
@@ -92,7 +92,9 @@ def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Clie
                         threads_per_worker=1,
                         processes=True,
                         host="127.0.0.1",
-                        dashboard_address=":0",  # None still tries port 8787 and warns when taken
+                        # None still tries port 8787 and warns when it is taken; bind loopback
+                        dashboard_address=None,
+                        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                         memory_limit=0,
                         silence_logs=logging.ERROR,
                     )

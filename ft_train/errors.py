@@ -47,6 +47,9 @@ class WorkerGroupError(FtTrainError):
     def __str__(self) -> str:
         return self.args[0]
 
+    def __repr__(self) -> str:  # Prefect logs repr(): the message says it all
+        return f"{type(self).__name__}({self.args[0]!r})"
+
 
 class WorkerStartupError(FtTrainError):
     """Not enough Dask workers became available within the startup timeout."""
@@ -61,6 +64,9 @@ class TrainingFailedError(FtTrainError):
 
     def __str__(self) -> str:
         return self.args[0]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.args[0]!r})"
 
 
 class RankFailure(Exception):

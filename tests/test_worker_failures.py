@@ -30,6 +30,29 @@ def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     assert result.metrics["resumed_from"] == 5
     assert result.metrics["step"] == 12
     assert result.checkpoint.path.endswith(state.latest)
+    if kind == "raise":
+        assert_prefect_shows_segments_and_the_retry(f"fail-{kind}", len(state.checkpoints))
+
+
+def assert_prefect_shows_segments_and_the_retry(run_name, checkpoints):
+    """In the Prefect API: the flow run is named after the run, each stretch between two
+    checkpoints is its own task run, and the restart is a retry of the stretch that failed."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+
+    with get_client(sync_client=True) as client:
+        (flow_run,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name={"any_": [run_name]})
+        )
+        task_runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id={"any_": [flow_run.id]})
+        )
+    segments = {t.name: t for t in task_runs if t.name.startswith("train-")}
+    # one per checkpoint (5, 10, 12), and the last one that sees the ranks finish
+    assert sorted(segments) == [f"train-{i}" for i in range(1, checkpoints + 2)]
+    assert all(t.state.is_completed() for t in segments.values())
+    assert [n for n, t in sorted(segments.items()) if t.run_count > 1] == ["train-2"]
+    assert segments["train-2"].run_count == 2  # the failure at step 7, retried once
 
 
 def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, tmp_path):

@@ -64,7 +64,7 @@ class Controller:
         self.done: dict[int, dict] = {}
         self.last_metrics: dict[str, Any] = {}
         self.dead_workers: set[str] = set()
-        self._last_progress_log = 0.0
+        self._last_progress_log = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
 
@@ -197,7 +197,13 @@ class Controller:
 
     def _finish(self) -> Segment:
         """Every rank returned: wait for reports still in flight, then mark the run finished."""
-        expected = max(d["reports"] for d in self.done.values())
+        counts = {r: d["reports"] for r, d in sorted(self.done.items())}
+        if len(set(counts.values())) > 1:
+            raise SessionError(
+                f"ranks called report() a different number of times ({counts}); every rank must "
+                "call report() the same number of times"
+            )
+        expected = counts[0]
         deadline = time.monotonic() + REPORT_DRAIN_TIMEOUT_S
         while self.rounds.last_index < expected and time.monotonic() < deadline:
             if (segment := self._drain_rounds()) is not None:
@@ -208,12 +214,9 @@ class Controller:
                 continue
             if event[0] == "report":
                 self.rounds.add(event[2])
-        counts = {r: d["reports"] for r, d in self.done.items()}
-        if len(set(counts.values())) > 1 or self.rounds.last_index < expected:
-            raise SessionError(
-                f"ranks called report() a different number of times ({counts}); every rank must "
-                "call report() the same number of times"
-            )
+        if self.rounds.last_index < expected:
+            lost = f"reports {self.rounds.last_index + 1}..{expected} never reached the driver"
+            self._fail(0, "exception", lost, step=self.rounds.last_index)
         self.phase.group.release()
         self.state.status = "finished"
         self.state.final_metrics = self.last_metrics

@@ -1,0 +1,147 @@
+"""The `ft-train` command line end to end, as a user runs it: the demo in a child process (Prefect
+in ephemeral mode under its own PREFECT_HOME, a real local Dask cluster, gloo), against a local
+path and the loopback S3 endpoint; then `ft-train status`, which reads storage without Prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ft_train.run_state import RunStore
+from ft_train.storage import Storage
+
+TRACEBACK = "Traceback (most recent call last):"
+INJECTED = "ft_train.faults.InjectedFault: injected fault on rank 1 at step"
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    """The child's environment: its own Prefect home (shared by this module's runs, so only the
+    first one pays for the database migrations), no Prefect API (ephemeral mode), no telemetry,
+    and a temporary folder of its own for the demo's fault markers."""
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("PREFECT_")]:
+        del env[key]
+    env["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+    env["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    return env
+
+
+def ft_train_cli(env: dict[str, str], cwd, *args: str) -> subprocess.CompletedProcess:
+    """`ft-train ARGS` in a child process; stdout and stderr together, as a terminal shows them."""
+    return subprocess.run(
+        [sys.executable, "-m", "ft_train.cli", *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
+
+
+def traceback_endings(output: str) -> list[str]:
+    """The exception line that ends each traceback in `output`."""
+    lines = output.splitlines()
+    endings = []
+    for i, line in enumerate(lines):
+        if line.startswith(TRACEBACK):
+            j = i + 1
+            while j < len(lines) and lines[j].startswith(" "):
+                j += 1
+            endings.append(lines[j] if j < len(lines) else "")
+    assert output.count("Traceback") == len(endings), output  # none hides mid-line
+    return endings
+
+
+def storage_args(storage) -> list[str]:
+    args = ["--storage-path", storage.path]
+    for key, value in storage.options.items():
+        args += ["--storage-option", f"{key}={value}"]
+    return args
+
+
+def stored_state(storage, name: str):
+    return RunStore(Storage(storage.path, storage.options), name).load()
+
+
+def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env, tmp_path):
+    name = f"cli-demo-{storage.kind}"
+    where = storage_args(storage)
+
+    first = ft_train_cli(
+        cli_env, tmp_path, "demo", "--name", name, *where,
+        "--epochs", "1", "--max-failures", "1", "--crash-at-step", "7",
+    )  # fmt: skip
+    out = first.stdout
+    assert first.returncode == 0, out
+    # progress while training, a restart from the checkpoint before the crash
+    assert re.search(r"checkpoint checkpoint_000005-a0-\S+ committed at step 5", out), out
+    assert re.search(r"2 ranks started from checkpoint checkpoint_000005-a0-", out), out
+    # the summary: where the run lives, what it kept, the one failure, a final metric
+    assert f"Run '{name}' finished." in out, out
+    run_path = re.escape(f"{storage.path}/{name}")
+    assert re.search(rf"path +{run_path}\n", out), out
+    assert re.search(rf"checkpoints +2 kept, latest {run_path}/checkpoint_000012-a1-", out), out
+    failures = re.findall(r"^ +- .*$", out, flags=re.M)
+    assert len(failures) == 1 and "exception on rank 1 at step 7: InjectedFault" in failures[0], out
+    assert re.search(r"metrics .*val_accuracy=0\.\d+", out), out
+    # the injected fault's traceback, once, and no other (Prefect's retry says no more)
+    assert traceback_endings(out) == [f"{INJECTED} 7"], out
+
+    state = stored_state(storage, name)
+    assert state.status == "finished"
+    assert [f.kind for f in state.failures] == ["exception"]
+    assert len(state.attempts) == 2
+
+    second = ft_train_cli(cli_env, tmp_path, "demo", "--name", name, *where, "--epochs", "1")
+    out = second.stdout
+    assert second.returncode == 0, out
+    assert f"Run '{name}' had already finished: nothing was trained." in out, out
+    assert "committed" not in out and "ranks started" not in out, out
+    assert "Traceback" not in out, out
+    assert re.search(r"metrics .*val_accuracy=0\.\d+", out), out
+    assert stored_state(storage, name) == state  # not even re-saved
+
+    shown = ft_train_cli(cli_env, tmp_path, "status", name, *where)
+    out = shown.stdout
+    assert shown.returncode == 0, out
+    assert re.search(r"status +finished", out), out
+    assert str(state.latest) in out, out
+    assert "exception on rank 1 at step 7: InjectedFault" in out, out
+    assert re.search(r"val_accuracy=0\.\d+", out), out
+
+    missing = ft_train_cli(cli_env, tmp_path, "status", "no-such-run", *where)
+    assert missing.returncode == 1, missing.stdout
+    assert "no run named 'no-such-run'" in missing.stdout
+    assert "Traceback" not in missing.stdout
+
+
+def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(cli_env, tmp_path):
+    store = str(tmp_path / "runs")
+    run = ft_train_cli(
+        cli_env, tmp_path, "demo", "--name", "cli-spent", "--storage-path", store,
+        "--epochs", "1", "--max-failures", "0", "--crash-at-step", "2",
+    )  # fmt: skip
+    out = run.stdout
+    assert run.returncode == 1, out
+    assert "Run 'cli-spent' failed." in out, out
+    assert re.search(r"status +failed", out), out
+    assert re.search(r"error: TrainingFailedError: .*max_failures=0", out), out
+    # only the rank's traceback; ft-train's and Prefect's internals stay out of the console
+    assert traceback_endings(out) == [f"{INJECTED} 2"], out
+    assert RunStore(Storage(store), "cli-spent").load().status == "failed"
+
+
+def test_the_cli_module_does_not_import_prefect(cli_env, tmp_path):
+    """`ft_train` never imports Prefect: the demo imports the flow when it runs, and `status`
+    reads storage alone."""
+    code = "import sys, ft_train.cli; sys.exit('prefect' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=cli_env, cwd=tmp_path).returncode == 0
