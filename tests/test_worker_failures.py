@@ -127,3 +127,19 @@ def test_invalid_config_is_refused_before_anything_runs(storage):
             train_loop="tests.loops:report_many",
             run_config={"name": "../escape", "storage_path": storage.path},
         )
+
+
+def test_a_callable_train_loop_works_in_a_python_call(storage):
+    from flows.train import train
+    from tests.loops import report_many
+
+    result = train(
+        train_loop=report_many,
+        train_loop_config={"n": 20},
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name="callable", storage_path=storage.path, storage_options=storage.options
+        ),
+    )
+    assert result.status == "finished" and result.metrics == {"i": 19}
+    assert result.checkpoint is None
