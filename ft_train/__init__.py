@@ -19,7 +19,8 @@ from .errors import (
 )
 from .result import TrainResult
 from .run_state import FailureRecord
-from .session import TrainContext, get_checkpoint, get_context, report
+from .preemption import PreemptionInfo
+from .session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
 
 __all__ = [
     "Checkpoint",
@@ -29,6 +30,7 @@ __all__ = [
     "FailureConfig",
     "FailureRecord",
     "FtTrainError",
+    "PreemptionInfo",
     "RunConfig",
     "ScalingConfig",
     "SessionError",
@@ -41,6 +43,7 @@ __all__ = [
     "WorkerStartupError",
     "get_checkpoint",
     "get_context",
+    "get_preemption_info",
     "report",
 ]
 

@@ -82,7 +82,7 @@ def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Clie
         if cluster.address is not None:
             client = stack.enter_context(Client(cluster.address, set_as_default=False))
         else:
-            n = cluster.n_workers or scaling.num_workers
+            n = cluster.n_workers or scaling.max_workers
             if scaling.use_gpu:
                 local = stack.enter_context(_gpu_cluster(n))
             else:

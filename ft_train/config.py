@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,7 +26,17 @@ class _Config(BaseModel):
 class ScalingConfig(_Config):
     """How many ranks to run, and on what."""
 
-    num_workers: int = Field(1, ge=1, description="Number of training ranks, one per Dask worker.")
+    num_workers: Union[int, tuple[int, int]] = Field(
+        1,
+        description="Training ranks, one per Dask worker: a number, or (min, max) for an elastic "
+        "group that starts with at least min, goes on with fewer after a loss, grows back to max.",
+    )
+    elastic_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="Elastic only: how long a (re)start waits for max workers before it starts "
+        "with the min or more that are there.",
+    )
     use_gpu: bool = Field(
         False, description="One GPU per rank (NCCL); workers need a `GPU` resource or a visible GPU."
     )
@@ -35,6 +45,25 @@ class ScalingConfig(_Config):
         gt=0,
         description="How long to wait for enough Dask workers before a (re)start gives up.",
     )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _sizes(cls, n: Union[int, tuple[int, int]]) -> Union[int, tuple[int, int]]:
+        low, high = (n, n) if isinstance(n, int) else n
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"scaling_config.num_workers {n!r}: give a number >= 1, or (min, max) with "
+                "1 <= min <= max"
+            )
+        return n
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
 class FailureConfig(_Config):
@@ -46,6 +75,30 @@ class FailureConfig(_Config):
         description="Restarts after a rank or worker failure: 0 = none, -1 = unlimited. "
         "Driver crashes do not count.",
     )
+    max_preemption_failures: int = Field(
+        -1,
+        ge=-1,
+        description="Restarts after a worker was told to leave (SIGTERM): -1 = unlimited. "
+        "They do not count toward max_failures.",
+    )
+    preemption_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a worker told to leave stays, for the ranks to save a "
+        "just-in-time checkpoint at their next report().",
+    )
+    hang_timeout_s: Optional[float] = Field(
+        1800.0,
+        gt=0,
+        description="A rank that makes no report() for this long (from its group's start or its "
+        "last report) is hung: the group restarts. Collectives time out a little earlier. "
+        "None: no watchdog (collectives keep torch's 30-minute timeout).",
+    )
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """Below the watchdog's, so a rank stuck in a collective fails before it is killed."""
+        return 1800.0 if self.hang_timeout_s is None else 0.8 * self.hang_timeout_s
 
 
 class CheckpointConfig(_Config):

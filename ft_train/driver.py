@@ -119,9 +119,12 @@ def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.i
         config=plan.train_loop_config,
         name=plan.run_config.name,
         storage=plan.storage,
-        num_workers=plan.scaling.num_workers,
+        min_workers=plan.scaling.min_workers,
+        max_workers=plan.scaling.max_workers,
+        elastic_wait_s=plan.scaling.elastic_wait_s,
         use_gpu=plan.scaling.use_gpu,
         start_timeout_s=plan.scaling.worker_start_timeout_s,
+        collective_timeout_s=plan.run_config.failure_config.collective_timeout_s,
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     return Controller(

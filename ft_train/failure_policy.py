@@ -15,11 +15,22 @@ class Decision(enum.Enum):
     RAISE = "raise"
 
 
-def decide(failure: FailureRecord, state: RunState, max_failures: int) -> Decision:
-    """`state.failures` already holds `failure`. Uncharged failures (driver events) never RAISE."""
+def decide(
+    failure: FailureRecord, state: RunState, max_failures: int, max_preemption_failures: int = -1
+) -> Decision:
+    """`state.failures` already holds `failure`. A preemption is judged by its own budget;
+    other uncharged failures (driver events) never RAISE."""
+    if failure.kind == "preemption":
+        if max_preemption_failures == -1:
+            return Decision.RETRY
+        return Decision.RETRY if preemptions(state) <= max_preemption_failures else Decision.RAISE
     if not failure.charged or max_failures == -1:
         return Decision.RETRY
     return Decision.RETRY if state.charged_failures <= max_failures else Decision.RAISE
+
+
+def preemptions(state: RunState) -> int:
+    return sum(f.kind == "preemption" for f in state.failures[state.budget_start :])
 
 
 def retries_left(state: RunState, max_failures: int) -> int:

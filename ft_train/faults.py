@@ -3,7 +3,9 @@
 A fault is a dict in the training function's config, e.g.
     {"rank": 1, "step": 7, "kind": "raise", "marker": "/tmp/x/fault-1"}
 Kinds: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "wait" (block until
-the driver is gone; used to kill a driver at a known point). With a `marker` path the fault fires
+the process is killed: a hang, or a point at which to kill a driver), "until_preempted" (block
+until this rank's worker is told to leave: a point at which to send it SIGTERM), "until_file"
+(block until the file `path` exists: a point at which a test changes the cluster). With a `marker` path the fault fires
 once: the marker is created atomically before it acts, so a rerun or a restart passes it by.
 """
 
@@ -36,4 +38,14 @@ def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) 
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "wait":
             threading.Event().wait()  # until this process is killed
+        if kind == "until_file":  # until the test creates fault["path"]
+            while not os.path.exists(fault["path"]):
+                threading.Event().wait(0.01)
+            return
+        if kind == "until_preempted":
+            from .preemption import local_deadline
+
+            while local_deadline() is None:  # until this worker is told to leave (SIGTERM)
+                threading.Event().wait(0.01)
+            return
         raise ValueError(f"unknown fault kind {kind!r}")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Union
 
 from . import session as _session
 from .errors import RankFailure, TrainLoopImportError
+from .preemption import GroupStop
 from .session import RankSpec, Session
 
 
@@ -89,8 +90,12 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
     try:
         fn = load_train_loop(spec.train_loop)
         _init_process_group(spec)
+        session.control = dist.new_group(backend="gloo")  # all ranks, in the same order
+        session.send({"rank": spec.rank, "started": True})  # the hang watchdog starts here
         call_train_loop(fn, spec.config)
         return {"rank": spec.rank, "reports": session.report_index}
+    except GroupStop:  # the driver stopped the group (to resize it); this process stays
+        return {"rank": spec.rank, "reports": session.report_index, "stopped": True}
     except BaseException as e:  # every failure of the user function becomes a RankFailure
         tb = traceback.format_exc(limit=-20)
         raise RankFailure(spec.rank, session.report_index, f"{type(e).__name__}: {e}", tb) from None

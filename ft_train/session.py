@@ -10,7 +10,9 @@ Contract (what the driver relies on):
   files of every rank that attached a checkpoint in its k-th call;
 - metrics MUST be JSON-serialisable (numbers, strings, lists, dicts; numpy / 0-d tensor scalars
   are converted);
-- after `report()` returns, the checkpoint's local directory may be deleted.
+- after `report()` returns, the checkpoint's local directory may be deleted;
+- `get_preemption_info()` turns non-None at the same report on every rank: a worker is leaving,
+  and a checkpoint reported then is committed before it goes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+from . import preemption
 from .checkpoint import Checkpoint
 from .checkpoint_manager import checkpoint_dir_name
 from .errors import SessionError
@@ -109,6 +112,8 @@ class Session:
         self.send = send
         self.report_index = spec.start_report_index
         self.context = TrainContext(spec)
+        self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
+        self.preemption: Optional[preemption.PreemptionInfo] = None
 
     def checkpoint(self) -> Optional[Checkpoint]:
         s = self.spec
@@ -122,6 +127,15 @@ class Session:
             raise SessionError("report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)")
         self.report_index += 1
         msg: dict[str, Any] = {"rank": self.spec.rank, "index": self.report_index, "metrics": metrics}
+        if self.control is not None:
+            # Every rank calls this at its k-th report, so all of them learn at the same one.
+            s = self.spec
+            info, stop = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id)
+            if stop:
+                raise preemption.GroupStop()
+            if info is not None and self.preemption is None:
+                self.preemption = info
+                msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
         if checkpoint is not None:
             s = self.spec
             dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
@@ -156,6 +170,12 @@ def get_context() -> TrainContext:
 def get_checkpoint() -> Optional[Checkpoint]:
     """The latest committed checkpoint, or None on a fresh run."""
     return _current().checkpoint()
+
+
+def get_preemption_info() -> Optional[preemption.PreemptionInfo]:
+    """Set from the report() at which the group learned that workers are leaving (the same
+    report on every rank), else None. Save a checkpoint and report it before `deadline`."""
+    return _current().preemption
 
 
 def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:

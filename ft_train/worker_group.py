@@ -27,6 +27,7 @@ from typing import Any, Callable, Union
 import dask
 from distributed import Client
 
+from . import preemption
 from .errors import WorkerStartupError
 from .rank import free_port, run_rank
 from .session import RankSpec
@@ -39,9 +40,12 @@ class GroupPlan:
     config: dict[str, Any]
     name: str
     storage: Storage
-    num_workers: int
+    min_workers: int
+    max_workers: int
     use_gpu: bool
     start_timeout_s: float
+    collective_timeout_s: float = 1800.0
+    elastic_wait_s: float = 0.0
 
 
 KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
@@ -63,22 +67,33 @@ def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[
     return gpu if use_gpu and gpu else usable
 
 
-def await_workers(
-    client: Client, n: int, use_gpu: bool, timeout_s: float, exclude: set[str] = frozenset()
-) -> list[str]:
-    """Addresses of `n` usable workers, waiting up to `timeout_s` for them to join."""
-    deadline = time.monotonic() + timeout_s
+def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> list[str]:
+    """Addresses of the workers for a new group, in rank order: `max_workers` if they are there
+    within `elastic_wait_s`, else as many as there are once at least `min_workers` are; waits up
+    to `start_timeout_s` for `min_workers`."""
+    start = time.monotonic()
     while True:
-        usable = _usable(client.scheduler_info(n_workers=-1)["workers"], use_gpu, exclude)
-        if len(usable) >= n:
-            return _rank_of(usable)[:n]
-        if time.monotonic() > deadline:
+        usable = _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
+        waited = time.monotonic() - start
+        if len(usable) >= plan.max_workers or (
+            len(usable) >= plan.min_workers and waited >= plan.elastic_wait_s
+        ):
+            return _rank_of(usable)[: plan.max_workers]
+        if waited > plan.start_timeout_s:
             raise WorkerStartupError(
-                f"only {len(usable)} of {n} Dask workers were available after {timeout_s:.0f}s "
-                f"(scheduler {client.scheduler.address}); add workers, or raise "
-                "scaling_config.worker_start_timeout_s"
+                f"only {len(usable)} of {plan.min_workers} Dask workers were available after "
+                f"{plan.start_timeout_s:.0f}s (scheduler {client.scheduler.address}); add "
+                "workers, or raise scaling_config.worker_start_timeout_s"
             )
-        time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadline
+        time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadlines
+
+
+def more_workers_available(client: Client, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
+    """Could a group grow: fewer ranks than max_workers, and an idle usable worker?"""
+    if len(current) >= plan.max_workers:
+        return False
+    usable = _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
+    return len(set(usable) - set(current)) > 0
 
 
 class WorkerGroup:
@@ -96,9 +111,7 @@ class WorkerGroup:
     def start(
         self, plan: GroupPlan, checkpoint_dir: str | None, start_report_index: int, exclude: set[str]
     ) -> None:
-        addrs = await_workers(
-            self.client, plan.num_workers, plan.use_gpu, plan.start_timeout_s, exclude
-        )
+        addrs = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         hosts = sorted({info[a]["host"] for a in addrs})
         per_host: dict[str, list[str]] = defaultdict(list)
@@ -112,6 +125,7 @@ class WorkerGroup:
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
         self.client.subscribe_topic(self.topic, lambda ev: self.events.put(("report", self.attempt, ev[1])))
         self.client.subscribe_topic("all", self._on_scheduler_event)
+        self.client.subscribe_topic(preemption.TOPIC, self._on_preemption_notice)
         for rank, addr in enumerate(addrs):
             host = info[addr]["host"]
             spec = RankSpec(
@@ -133,6 +147,7 @@ class WorkerGroup:
                 checkpoint_dir=checkpoint_dir,
                 start_report_index=start_report_index,
                 topic=self.topic,
+                collective_timeout_s=plan.collective_timeout_s,
             )
             fut = self.client.submit(
                 run_rank,
@@ -154,6 +169,10 @@ class WorkerGroup:
             if msg.get("worker") in self.addresses:
                 self.events.put(("worker_lost", self.attempt, msg["worker"]))
 
+    def _on_preemption_notice(self, event: tuple) -> None:
+        msg = event[1]
+        self.events.put(("preempt_notice", self.attempt, msg["worker"], msg["deadline"]))
+
     def lost_kind(self, address: str) -> str:
         """A removed worker whose nanny still answers lost its process; otherwise its node."""
         nanny = self.nannies.get(address)
@@ -165,6 +184,10 @@ class WorkerGroup:
             except OSError:
                 pass
         return "node_loss"
+
+    def request_stop(self) -> None:
+        """Ask every rank to leave its training function at its next report()."""
+        self.client.run(preemption.request_stop, self.attempt_id, workers=self.addresses)
 
     def release(self) -> None:
         """Forget the group after a clean finish."""
@@ -189,25 +212,29 @@ class WorkerGroup:
         alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
         killed = {failed} & alive
         if killed:
-            self._kill(list(killed))
+            self.kill(list(killed))
         deadline = time.monotonic() + grace_s
         while not all(f.done() for f in self.futures) and time.monotonic() < deadline:
             time.sleep(0.01)  # bounded by grace_s; the ones still running are killed below
         stuck = [a for a, f in zip(self.addresses, self.futures) if not f.done() and a in alive]
         if stuck:
-            self._kill(stuck)
+            self.kill(stuck)
         self.client.cancel(self.futures, force=True)
         self.futures = []
         return set(stuck) | killed | (set(self.addresses) - alive)
 
-    def _kill(self, addresses: list[str]) -> None:
+    def kill(self, addresses: list[str]) -> None:
         """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
         even while a rank's thread is blocked. A worker that is already gone is no error."""
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        addresses = [a for a in addresses if a in alive]
+        if not addresses:
+            return
         with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
             self.client.run(_hard_exit, workers=addresses, wait=False, on_error="ignore")
 
     def _unsubscribe(self) -> None:
-        for topic in (self.topic, "all"):
+        for topic in (self.topic, "all", preemption.TOPIC):
             try:
                 self.client.unsubscribe_topic(topic)
             except Exception:  # the client may be closing; nothing is left to unsubscribe from

@@ -200,6 +200,7 @@ def test_configs_round_trip_as_flow_parameters():
 
 DESIGN_API = {
     "get_context",
+    "get_preemption_info",
     "get_checkpoint",
     "report",
     "Checkpoint",
@@ -220,6 +221,7 @@ PUBLIC_API = [
     "FailureConfig",
     "FailureRecord",
     "FtTrainError",
+    "PreemptionInfo",
     "RunConfig",
     "ScalingConfig",
     "SessionError",
@@ -232,6 +234,7 @@ PUBLIC_API = [
     "WorkerStartupError",
     "get_checkpoint",
     "get_context",
+    "get_preemption_info",
     "report",
 ]
 
@@ -307,3 +310,15 @@ def test_exception_tree():
     assert str(errors.WorkerGroupError("rank 1 died", FAILURE)) == "rank 1 died"
     assert errors.WorkerGroupError("rank 1 died", FAILURE).failure == FAILURE
     assert errors.TrainingFailedError("failed").failures == []
+
+
+@pytest.mark.parametrize("n", [0, (0, 2), (3, 2), -1])
+def test_bad_num_workers_are_refused_naming_the_field(n):
+    with pytest.raises(ValidationError, match="scaling_config.num_workers"):
+        ScalingConfig(num_workers=n)
+
+
+def test_elastic_num_workers_give_min_and_max():
+    fixed, elastic = ScalingConfig(num_workers=3), ScalingConfig(num_workers=(1, 4))
+    assert (fixed.min_workers, fixed.max_workers) == (3, 3)
+    assert (elastic.min_workers, elastic.max_workers) == (1, 4)

@@ -1,6 +1,8 @@
 """Worker process failures: a rank raises or is SIGKILLed; the group restarts from the latest
 committed checkpoint, and each restart is charged to max_failures."""
 
+import os
+
 import pytest
 
 import ft_train
@@ -15,13 +17,14 @@ def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     # The kill variant also runs DataLoader(num_workers=2) inside each rank, before and after
     # the restart (worker processes must not be daemonic, also once the nanny restarted them).
     config = demo_config([fault(tmp_path, 1, 7, kind)], loader_workers=2 if kind == "kill" else 0)
-    result = train_demo(storage, f"fail-{kind}", config, max_failures=1)
+    name = f"fail-{kind}-{storage.kind}"  # flow runs of both storages share one Prefect API
+    result = train_demo(storage, name, config, max_failures=1)
 
     assert result.status == "finished" and result.error is None
     assert [(f.kind, f.rank) for f in result.failures] == [
         ("exception" if kind == "raise" else "process_death", 1)
     ]
-    state = load_state(storage, f"fail-{kind}")
+    state = load_state(storage, name)
     assert len(state.attempts) == 2  # exactly one restart
     restored = state.attempts[1].restored_from
     assert restored is not None and restored.startswith("checkpoint_000005-a0-")
@@ -31,7 +34,7 @@ def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     assert result.metrics["step"] == 12
     assert result.checkpoint.path.endswith(state.latest)
     if kind == "raise":
-        assert_prefect_shows_segments_and_the_retry(f"fail-{kind}", len(state.checkpoints))
+        assert_prefect_shows_segments_and_the_retry(name, len(state.checkpoints))
 
 
 def assert_prefect_shows_segments_and_the_retry(run_name, checkpoints):
@@ -143,3 +146,25 @@ def test_a_callable_train_loop_works_in_a_python_call(storage):
     )
     assert result.status == "finished" and result.metrics == {"i": 19}
     assert result.checkpoint is None
+
+
+def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
+    from flows.train import train
+
+    hang = fault(tmp_path, 1, 7, kind="wait")  # rank 1 sleeps forever inside its loop, once
+    timeout = 10.0
+    result = train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config([hang]),
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name="hang", storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout),
+        ),
+    )
+    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank) == ("hang", 1)
+    # detected within the timeout plus a few seconds of when rank 1 started to hang
+    hung_at = os.path.getmtime(hang["marker"])
+    assert failure.time.timestamp() - hung_at < timeout + 5

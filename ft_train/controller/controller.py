@@ -22,7 +22,8 @@ from ..config import FailureConfig
 from ..errors import RankFailure, SessionError, TrainingFailedError, WorkerGroupError
 from ..failure_policy import Decision
 from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore
-from ..worker_group import GroupPlan, WorkerGroup
+from ..preemption import PreemptionWatcher
+from ..worker_group import GroupPlan, WorkerGroup, more_workers_available
 from .rounds import ReportRounds, Round
 from .state import Errored, Finished, Idle, Running
 
@@ -32,6 +33,16 @@ logger = logging.getLogger("ft_train")
 # are killed. gloo notices a dead peer at once; NCCL may not, and a CUDA context is not to be
 # trusted after a failure, so GPU ranks are always killed.
 STOP_GRACE_S = 3.0
+# A rank that failed because it lost a peer ("connection closed by peer", a collective timeout)
+# is judged after this long, so the failure is charged to its cause when that cause shows up.
+COLLATERAL_WAIT_S = 2.0
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out")
+
+
+def _lost_a_peer(error: str) -> bool:
+    return any(p in error.lower() for p in _PEER_LOST)
+
+
 # After every rank returned, wait this long for their last reports still in flight.
 REPORT_DRAIN_TIMEOUT_S = 30.0
 
@@ -60,10 +71,17 @@ class Controller:
         self.log = log
         self.phase: Idle | Running | Finished | Errored = Idle()
         self.events: "queue.Queue[tuple]" = queue.Queue()
-        self.rounds = ReportRounds(plan.num_workers, state.report_index)
+        self.rounds = ReportRounds(plan.max_workers, state.report_index)
         self.done: dict[int, dict] = {}
         self.last_metrics: dict[str, Any] = {}
         self.dead_workers: set[str] = set()
+        # rank -> when it last reported, or started (monotonic); what the hang watchdog watches
+        self.progress: dict[int, float] = {}
+        # (rank, error, deadline): a rank that failed because a peer did, awaiting the cause
+        self.collateral: Optional[tuple[int, RankFailure, float]] = None
+        self.preempting: Optional[Preempting] = None
+        self.resizing = False
+        self._watching_preemption = False
         self._last_progress_log = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
@@ -77,15 +95,23 @@ class Controller:
             raise self.phase.error
         if isinstance(self.phase, Finished):
             return Segment("finished", self.state.report_index, self.last_metrics)
-        if isinstance(self.phase, Idle):
-            self._start_group()
         while True:
+            if isinstance(self.phase, Idle):  # also after a preemption without a checkpoint
+                self._start_group()
             segment = self._drain_rounds()
             if segment is not None:
                 return segment
-            if len(self.done) == self.plan.num_workers:
+            if len(self.done) == len(self.phase.group.addresses):
+                if any(d.get("stopped") for d in self.done.values()):
+                    self._resized()
+                    continue
                 return self._finish()
-            segment = self._handle(self.events.get())
+            try:
+                event = self.events.get(timeout=self._next_deadline())
+            except queue.Empty:
+                self._on_deadline()
+                continue
+            segment = self._handle(event)
             if segment is not None:
                 return segment
 
@@ -124,9 +150,14 @@ class Controller:
     def _start_group(self) -> None:
         attempt = len(self.state.attempts)
         group = WorkerGroup(self.client, attempt, self.events)
-        self.rounds = ReportRounds(self.plan.num_workers, self.state.report_index)
         self.done = {}
+        self.collateral = None
+        self.resizing = False
+        if not self._watching_preemption:  # on every worker, and on those that join later
+            self.client.register_plugin(PreemptionWatcher(self.failure_config.preemption_grace_s))
+            self._watching_preemption = True
         group.start(self.plan, self.state.latest, self.state.report_index, self.dead_workers)
+        self.rounds = ReportRounds(len(group.addresses), self.state.report_index)
         self.state.attempts.append(
             AttemptRecord(
                 attempt=attempt,
@@ -140,6 +171,7 @@ class Controller:
         self.store.save(self.state)
         where = f"checkpoint {self.state.latest}" if self.state.latest else "scratch"
         self.log(f"attempt {attempt}: {len(group.addresses)} ranks started from {where}")
+        self.progress = {}  # a rank is watched from its "started" message on
         self.phase = Running(group)
 
     def _handle(self, event: tuple) -> Optional[Segment]:
@@ -147,7 +179,17 @@ class Controller:
         if not isinstance(self.phase, Running) or attempt != self.phase.group.attempt:
             return None  # a late event from a group already stopped
         if kind == "report":
-            self.rounds.add(event[2])
+            msg = event[2]
+            self.progress[msg["rank"]] = time.monotonic()
+            if "index" in msg:  # else the rank's "started": it joined the process group
+                self.rounds.add(msg)
+            return None
+        if kind == "preempt_notice":
+            if event[2] in self.phase.group.addresses:
+                self._note_preemption({event[2]}, event[3], boundary=False)
+            return None
+        if kind == "worker_lost" and self.preempting and event[2] in self.preempting.workers:
+            self._preempted(self.rounds.last_index, jit=None)
             return None
         if kind == "worker_lost":
             group = self.phase.group
@@ -158,6 +200,54 @@ class Controller:
             return self._rank_done(event[2], event[3])
         return None
 
+    def _rank_raised(self, rank: int, exc: RankFailure) -> None:
+        self.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
+        self._fail(rank, "exception", exc.error, step=exc.step)
+
+    def _next_deadline(self) -> Optional[float]:
+        """Seconds until the controller must act without an event: a watchdog or a judgement."""
+        waits = [self._watchdog_remaining()]
+        if self.collateral is not None:
+            waits.append(max(0.0, self.collateral[2] - time.monotonic()))
+        return min((w for w in waits if w is not None), default=None)
+
+    def _on_deadline(self) -> None:
+        if self.collateral is not None and time.monotonic() >= self.collateral[2]:
+            rank, exc, _ = self.collateral
+            if self.preempting is not None:  # it lost a peer that was leaving
+                self._preempted(self.rounds.last_index, jit=None)
+                return
+            laggard = self._laggard(rank, exc.step)
+            if laggard is not None and "timed out" in exc.error.lower():
+                # A collective timed out waiting for a rank that stopped making progress.
+                self._fail(laggard, "hang", f"no progress; rank {rank} timed out waiting for it")
+            self._rank_raised(rank, exc)
+        if (remaining := self._watchdog_remaining()) is not None and remaining <= 0:
+            self._hung()
+
+    def _watchdog_remaining(self) -> Optional[float]:
+        """Seconds until the slowest running rank counts as hung; None without a watchdog."""
+        timeout = self.failure_config.hang_timeout_s
+        waiting = [t for r, t in self.progress.items() if r not in self.done]
+        if timeout is None or not waiting:
+            return None
+        return max(0.0, min(waiting) + timeout - time.monotonic())
+
+    def _laggard(self, rank: int, step: int) -> Optional[int]:
+        """When `rank` timed out in a collective at `step`: the rank it waited for, one still
+        running and not ahead of it (the furthest behind first), if any."""
+        running = [r for r in self.progress if r not in self.done and r != rank]
+        lagging = [r for r in running if self.rounds.received.get(r, 0) <= step]
+        return min(lagging, key=lambda r: self.rounds.received.get(r, 0), default=None)
+
+    def _hung(self) -> None:
+        """No report from some rank within hang_timeout_s. The hung rank is the one furthest
+        behind; the others usually wait for it in a collective."""
+        running = [r for r in self.progress if r not in self.done]
+        rank = min(running, key=lambda r: (self.rounds.received.get(r, 0), self.progress[r]))
+        timeout = self.failure_config.hang_timeout_s
+        self._fail(rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)")
+
     def _rank_done(self, rank: int, future) -> Optional[Segment]:
         if future.status == "finished":
             self.done[rank] = future.result()
@@ -166,8 +256,12 @@ class Controller:
             self._fail(rank, "node_loss", "the rank's Dask task was cancelled")
         exc = future.exception()
         if isinstance(exc, RankFailure):
-            self.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
-            self._fail(rank, "exception", exc.error, step=exc.step)
+            if self.collateral is None and _lost_a_peer(exc.error):
+                # Most likely the echo of another rank's failure, whose own signal (a lost
+                # worker, a killed process, a hung peer) may still be on its way: wait for it.
+                self.collateral = (rank, exc, time.monotonic() + COLLATERAL_WAIT_S)
+                return None
+            self._rank_raised(rank, exc)
         if isinstance(exc, KilledWorker):
             self._fail(rank, "process_death", "the rank's worker process died")
         self._fail(rank, "process_death", f"{type(exc).__name__}: {exc}")
@@ -181,6 +275,10 @@ class Controller:
 
     def _complete_round(self, rnd: Round) -> Optional[Segment]:
         self.last_metrics = rnd.metrics
+        if rnd.preempted is not None:
+            group = self.phase.group
+            leaving = {group.addresses[r] for r in rnd.preempted}
+            self._note_preemption(leaving, rnd.deadline, boundary=True)
         if rnd.dir_name is None:
             if time.monotonic() - self._last_progress_log > 10:
                 self._last_progress_log = time.monotonic()
@@ -193,6 +291,15 @@ class Controller:
             f"checkpoint {rnd.dir_name} committed at step {rnd.index}: {_fmt(rnd.metrics)}"
             + (f" (deleted {len(dropped)} older)" if dropped else "")
         )
+        if self.preempting is not None and self.preempting.boundary:
+            self._preempted(rnd.index, jit=rnd.dir_name)
+        elif not self.resizing and more_workers_available(
+            self.client, self.plan, self.phase.group.addresses, self.dead_workers
+        ):
+            # An elastic group below max_workers, and workers to spare: stop it at the next
+            # report (a resize, not a failure) and start a larger one from this checkpoint.
+            self.resizing = True
+            self.phase.group.request_stop()
         return Segment("checkpoint", rnd.index, rnd.metrics, rnd.dir_name)
 
     def _finish(self) -> Segment:
@@ -212,7 +319,7 @@ class Controller:
                 event = self.events.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if event[0] == "report":
+            if event[0] == "report" and "index" in event[2]:
                 self.rounds.add(event[2])
         if self.rounds.last_index < expected:
             lost = f"reports {self.rounds.last_index + 1}..{expected} never reached the driver"
@@ -230,7 +337,7 @@ class Controller:
         """Stop the group, record the failure, and raise what the failure policy decided."""
         group = self.phase.group
         grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
-        failed = group.addresses[rank] if kind == "exception" else None
+        failed = group.addresses[rank] if kind in ("exception", "hang") else None
         self.dead_workers |= group.stop(grace_s=grace, failed=failed)
         failure = FailureRecord(
             kind=kind,
@@ -239,17 +346,37 @@ class Controller:
             error=error,
             attempt=group.attempt,
         )
-        self.state.failures.append(failure)
+        self._judge(failure)
         max_failures = self.failure_config.max_failures
-        decision = failure_policy.decide(failure, self.state, max_failures)
-        charged = self.state.failures[self.state.budget_start :]
+        budget = "unlimited" if max_failures == -1 else f"{self.state.charged_failures} of {max_failures}"
+        raise WorkerGroupError(
+            f"rank {rank} failed ({kind}) at step {failure.step}: {error}. Restarting from "
+            f"{self.state.latest or 'scratch'} (failure {budget} allowed by max_failures)",
+            failure.model_dump(mode="json"),
+        )
+
+    def _judge(self, failure: FailureRecord) -> None:
+        """Record `failure` and ask the failure policy. RAISE ends the run here (raises);
+        RETRY leaves the controller Idle, to start a new group."""
+        cfg = self.failure_config
+        self.state.failures.append(failure)
+        decision = failure_policy.decide(
+            failure, self.state, cfg.max_failures, cfg.max_preemption_failures
+        )
         if decision is Decision.RAISE:
-            listing = failure_policy.describe([f for f in charged if f.charged])
+            recent = self.state.failures[self.state.budget_start :]
+            if failure.kind == "preemption":
+                count = failure_policy.preemptions(self.state)
+                listed = [f for f in recent if f.kind == "preemption"]
+                budget = f"max_preemption_failures={cfg.max_preemption_failures}"
+            else:
+                count, listed = self.state.charged_failures, [f for f in recent if f.charged]
+                budget = f"max_failures={cfg.max_failures}"
             error = TrainingFailedError(
-                f"training failed: {self.state.charged_failures} failures exceed "
-                f"max_failures={max_failures} (run_config.failure_config.max_failures). "
-                f"Failures:\n{listing}",
-                [f.model_dump(mode="json") for f in charged],
+                f"training failed: {count} failures exceed {budget} "
+                f"(run_config.failure_config.{budget.split('=')[0]}). "
+                f"Failures:\n{failure_policy.describe(listed)}",
+                [f.model_dump(mode="json") for f in recent],
             )
             self.state.status, self.state.error = "failed", str(error)
             self.store.save(self.state)
@@ -257,12 +384,57 @@ class Controller:
             raise error
         self.store.save(self.state)
         self.phase = Idle(after_failure=failure)
-        budget = "unlimited" if max_failures == -1 else f"{self.state.charged_failures} of {max_failures}"
-        raise WorkerGroupError(
-            f"rank {rank} failed ({kind}) at step {failure.step}: {error}. Restarting from "
-            f"{self.state.latest or 'scratch'} (failure {budget} allowed by max_failures)",
-            failure.model_dump(mode="json"),
+
+    def _resized(self) -> None:
+        """The ranks left their training function at the driver's request: start a larger group
+        from the latest committed checkpoint."""
+        group = self.phase.group
+        group.release()
+        self.resizing = False
+        self.log(f"growing the group of {len(group.addresses)} ranks (a resize, not a failure)")
+        self.phase = Idle()
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    def _note_preemption(self, workers: set[str], deadline: float, boundary: bool) -> None:
+        if self.preempting is None:
+            self.preempting = Preempting(set(), deadline)
+            self.log(f"workers {sorted(workers)} were told to leave by {deadline:.0f} (epoch s)")
+        self.preempting.workers |= workers
+        self.preempting.deadline = min(self.preempting.deadline, deadline)
+        self.preempting.boundary |= boundary
+
+    def _preempted(self, step: int, jit: Optional[str]) -> None:
+        """Workers are leaving: stop the group, let them go, record a preemption (charged to
+        max_preemption_failures only) and go Idle; the next group starts from the latest
+        committed checkpoint, which is the just-in-time one (`jit`) when the loop saved it."""
+        group, leaving = self.phase.group, self.preempting.workers
+        self.preempting = None
+        grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
+        self.dead_workers |= group.stop(grace_s=grace) | leaving
+        group.kill(list(leaving))  # they go now rather than at their deadline
+        ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
+        what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
+        self.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
+        self._judge(
+            FailureRecord(
+                kind="preemption",
+                rank=min(ranks, default=None),
+                step=step,
+                error=f"worker(s) {sorted(leaving)} told to leave (SIGTERM); {what}",
+                attempt=group.attempt,
+                charged=False,
+            )
         )
+
+
+@dataclass
+class Preempting:
+    """Workers of the running group have been told to leave."""
+
+    workers: set[str]
+    deadline: float  # epoch seconds
+    boundary: bool = False  # the ranks have learned of it at a report()
 
 
 def _fmt(metrics: dict[str, Any]) -> str:

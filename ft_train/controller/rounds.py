@@ -16,6 +16,8 @@ class Round:
     metrics: dict[str, Any]
     dir_name: Optional[str] = None
     files: dict[str, Any] = field(default_factory=dict)
+    preempted: Optional[list[int]] = None  # the group learned at this round: these ranks leave
+    deadline: Optional[float] = None
 
 
 class ReportRounds:
@@ -37,7 +39,8 @@ class ReportRounds:
             return None
         del self.pending[nxt]
         self.last_index = nxt
-        rnd = Round(index=nxt, metrics=msgs.get(0, next(iter(msgs.values())))["metrics"])
+        first = msgs.get(0, next(iter(msgs.values())))
+        rnd = Round(nxt, first["metrics"], preempted=first.get("preempted"), deadline=first.get("deadline"))
         for rank in sorted(msgs):
             m = msgs[rank]
             if m.get("dir_name"):

@@ -5,7 +5,9 @@ bit-exact resume needs: model and optimizer state, the data position (epoch, nex
 global step, and every rank's RNG state (each rank attaches its own file to the same checkpoint).
 
 Config keys (all optional): epochs, batch_size, lr, hidden, dropout, seed, checkpoint_every,
-loader_workers (DataLoader processes per rank), faults (see ft_train.faults).
+loader_workers (DataLoader processes per rank), faults (see ft_train.faults). After an elastic
+resize the data position is rescaled to the new number of ranks; resumes at the same size are
+bit-exact.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def train_loop(config: dict[str, Any]) -> None:
             raw_model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             epoch, batch, step = state["epoch"], state["batch"], state["step"]
+            world, saved_world = ft_train.get_context().get_world_size(), state.get("world_size")
+            if saved_world and saved_world != world:  # an elastic resize: same samples seen,
+                batch = batch * saved_world // world  # as near as the new sharding allows
             rng = os.path.join(d, f"rng_rank{rank}.pt")
             if os.path.exists(rng):
                 set_rng_state(torch.load(rng, weights_only=False))
@@ -115,22 +120,34 @@ def train_loop(config: dict[str, Any]) -> None:
             done = epoch == epochs
             if done:
                 metrics["val_accuracy"] = accuracy(raw_model, val_set)
-            if step % checkpoint_every == 0 or done:
-                with tempfile.TemporaryDirectory() as d:
-                    torch.save(get_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
-                    if rank == 0:
-                        torch.save(
-                            {
-                                "model": raw_model.state_dict(),
-                                "optimizer": optimizer.state_dict(),
-                                "epoch": epoch,
-                                "batch": batch,
-                                "step": step,
-                            },
-                            os.path.join(d, "train_state.pt"),
-                        )
-                    ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))
+            checkpointed = step % checkpoint_every == 0 or done
+            if checkpointed:
+                report_with_checkpoint(metrics, rank, raw_model, optimizer, epoch, batch, step)
             else:
                 ft_train.report(metrics)
+            if ft_train.get_preemption_info() is not None:
+                # A worker is leaving: every rank learned it at this same report. Save a
+                # just-in-time checkpoint (unless this step just did) and stop; the run goes
+                # on from it on other workers.
+                if not checkpointed:
+                    report_with_checkpoint(metrics, rank, raw_model, optimizer, epoch, batch, step)
+                return
             if done:
-                break
+                return
+
+
+def report_with_checkpoint(metrics, rank, model, optimizer, epoch, batch, step) -> None:
+    """Everything a bit-exact resume needs: rank 0 saves the training state, every rank its RNG."""
+    with tempfile.TemporaryDirectory() as d:
+        torch.save(get_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
+        if rank == 0:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch,
+                "batch": batch,
+                "step": step,
+                "world_size": ft_train.get_context().get_world_size(),
+            }
+            torch.save(state, os.path.join(d, "train_state.pt"))
+        ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))

@@ -1,0 +1,251 @@
+"""ft-train's side of the benchmark: the training function, and one measurement per call.
+
+Run by `bench.run` in a fresh process per measurement:
+    python -m bench.ft_side FIGURE PARAMS_JSON OUT_JSON
+The flow is called as a user calls it (`flows.train.train`), with the same workload as Ray's side
+(`bench.workload.run_loop`). PREFECT_HOME / PREFECT_API_URL come from the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any, Iterator, Optional
+
+import ft_train
+from bench.workload import Api, read_events, run_loop
+
+TRAIN_LOOP = "bench.ft_side:train_loop"
+
+
+class FtApi(Api):
+    system = "ft-train"
+
+    def rank(self) -> int:
+        return ft_train.get_context().get_world_rank()
+
+    def prepare_model(self, model):
+        return ft_train.torch.prepare_model(model)
+
+    @contextlib.contextmanager
+    def checkpoint_dir(self) -> Iterator[Optional[str]]:
+        ckpt = ft_train.get_checkpoint()
+        if ckpt is None:
+            yield None
+        else:
+            with ckpt.as_directory() as d:
+                yield d
+
+    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+        if mode != "sync":
+            raise ValueError("ft-train has only synchronous checkpoint upload")
+        ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ft_train.report(metrics, checkpoint=ckpt)
+
+
+def train_loop(config: dict) -> None:
+    run_loop(config, FtApi())
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def storage_target(p: dict) -> tuple[str, dict]:
+    """(storage_path, storage_options): a local directory, or a fresh bucket on the loopback S3."""
+    if p.get("storage", "local") == "local":
+        return os.path.join(p["workdir"], "storage"), {}
+    import s3fs
+
+    bucket = f"ft-{uuid.uuid4().hex[:10]}"
+    opts = {"endpoint_url": p["s3_endpoint"], "key": "testing", "secret": "testing"}
+    s3fs.S3FileSystem(skip_instance_cache=True, **opts).mkdir(bucket)
+    return f"s3://{bucket}/runs", opts
+
+
+def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int = 1) -> dict:
+    from flows.train import train
+
+    path, opts = storage_target(p)
+    t_call = time.time()
+    result = train(
+        train_loop=TRAIN_LOOP,
+        train_loop_config=config,
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name=name,
+            storage_path=path,
+            storage_options=opts,
+            failure_config=ft_train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ft_train.CheckpointConfig(num_to_keep=1),
+        ),
+        cluster=cluster or ft_train.ClusterConfig(),
+    )
+    t_return = time.time()
+    return {
+        "t_call": t_call,
+        "t_return": t_return,
+        "status": result.status,
+        "failures": [(f.kind, f.rank, f.step) for f in result.failures],
+    }
+
+
+def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
+    return {"rank": rank, "step": step, "kind": kind, "marker": os.path.join(p["workdir"], f"fault-{uuid.uuid4().hex[:6]}")}
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+
+def recovery(p: dict) -> dict:
+    """A rank SIGKILLs its own process at step 7 (checkpoint at step 5)."""
+    events = os.path.join(p["workdir"], "events.jsonl")
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "kill")]}
+    run = call_flow("recovery", cfg, p)
+    return {"run": run, "events": read_events(events)}
+
+
+@contextlib.contextmanager
+def dask_cluster(workdir: str, n: int) -> Iterator[str]:
+    """A Dask cluster of separate processes, as deployed: a scheduler and `n` `dask worker`s,
+    each a nanny process with one single-threaded worker process under it."""
+    from distributed import Client
+
+    env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
+               DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    addr_file = os.path.join(workdir, "scheduler.json")
+    log = open(os.path.join(workdir, "dask.log"), "ab")
+    procs = [subprocess.Popen(
+        [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+         "--scheduler-file", addr_file], env=env, stdout=log, stderr=log, start_new_session=True)]
+    try:
+        with Client(scheduler_file=addr_file, timeout="60s") as c:  # waits for the file
+            address = c.scheduler.address
+            for _ in range(n):
+                procs.append(subprocess.Popen(
+                    [dask, "worker", address, "--nthreads", "1", "--memory-limit", "0",
+                     "--no-dashboard", "--host", "127.0.0.1"],
+                    env=env, stdout=log, stderr=log, start_new_session=True))
+            c.wait_for_workers(n, timeout=120)
+        yield address
+    finally:
+        for pr in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pr.pid, 9)  # our own process groups (start_new_session)
+            pr.wait()
+
+
+def node_loss(p: dict) -> dict:
+    """A whole Dask worker (nanny and worker process) is SIGKILLed at rank 1's step 7; a third,
+    spare worker takes its place."""
+    events = os.path.join(p["workdir"], "events.jsonl")
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "node")]}
+    with dask_cluster(p["workdir"], 3) as address:
+        run = call_flow("node-loss", cfg, p, cluster=ft_train.ClusterConfig(address=address))
+    return {"run": run, "events": read_events(events)}
+
+
+def cold_start(p: dict) -> dict:
+    """From the flow call to the first completed step (the harness sets PREFECT_API_URL or not)."""
+    t0 = time.time()
+    import flows.train  # noqa: F401  (the import is timed apart from the call)
+
+    t_import = time.time() - t0
+    events = os.path.join(p["workdir"], "events.jsonl")
+    run = call_flow("cold-start", {"steps": 3, "events": events}, p)
+    return {"run": run, "import_s": t_import, "events": read_events(events)}
+
+
+def steady(p: dict) -> dict:
+    """Report metrics every step; steps/s and report() blocking time."""
+    events = os.path.join(p["workdir"], "events.jsonl")
+    run = call_flow("steady", {"steps": p["steps"], "events": events, "report_every": 1}, p)
+    return {"run": run, "events": read_events(events)}
+
+
+def checkpoint(p: dict) -> dict:
+    events = os.path.join(p["workdir"], "events.jsonl")
+    cfg = {
+        "steps": p["every"] * p["count"],
+        "events": events,
+        "checkpoint_every": p["every"],
+        "checkpoint_bytes": p["bytes"],
+        "report_every": 0,
+        "upload": p["mode"],
+        "serialise": True,
+    }
+    run = call_flow(f"ckpt-{uuid.uuid4().hex[:6]}", cfg, p)
+    return {"run": run, "events": read_events(events)}
+
+
+def rehydrate(p: dict) -> dict:
+    """prepare_run (what a rerun does first) against a run state with N committed checkpoints."""
+    import gc
+    import statistics
+
+    from ft_train.checkpoint import MANIFEST
+    from ft_train.checkpoint_manager import checkpoint_dir_name
+    from ft_train.driver import prepare_run
+    from ft_train.rank import load_train_loop
+    from ft_train.run_state import AttemptRecord, CheckpointEntry, RunState, RunStore
+    from ft_train.storage import Storage
+
+    path, opts = storage_target(p)
+    out = {}
+    for n in p["ns"]:
+        name = f"rehydrate-{n}"
+        storage = Storage(path, opts)
+        store = RunStore(storage, name)
+        attempt_id = uuid.uuid4().hex
+        entries = [
+            CheckpointEntry(dir_name=checkpoint_dir_name(i, 0, attempt_id), report_index=i,
+                            metrics={"step": i, "loss": 1.0 / i, "t": time.time()})
+            for i in range(1, n + 1)
+        ]
+        state = RunState(
+            name=name, status="interrupted", checkpoints=entries, latest=entries[-1].dir_name,
+            report_index=n, attempts=[AttemptRecord(attempt=0, attempt_id=attempt_id, world_size=2)],
+        )
+        if storage.is_local:  # the directories exist, as in a real run (a rerun never lists them)
+            for e in entries:
+                d = storage.full(f"{name}/{e.dir_name}")
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, MANIFEST), "w") as f:
+                    json.dump({"dir_name": e.dir_name, "files": {}}, f)
+        store.save(state)
+        latest = entries[-1].dir_name
+        del entries, state  # a rerun starts with none of it in memory
+        raw = storage.read_bytes(store.path)
+        times = []
+        run_config = ft_train.RunConfig(name=name, storage_path=path, storage_options=opts)
+        load_train_loop(TRAIN_LOOP)  # importing the training function is not finding the state
+        for _ in range(p["repeat"]):
+            storage.write_atomic(store.path, raw)  # the same document each time
+            gc.collect()
+            t0 = time.perf_counter()
+            plan = prepare_run(TRAIN_LOOP, {}, ft_train.ScalingConfig(num_workers=2), run_config,
+                               log=lambda s: None)
+            times.append(time.perf_counter() - t0)
+            assert plan.state.latest == latest
+        out[str(n)] = {"median_s": statistics.median(times), "min_s": min(times),
+                       "state_bytes": len(raw)}
+    return {"rehydrate": out}
+
+
+FIGURES = {f.__name__: f for f in (recovery, node_loss, cold_start, steady, checkpoint, rehydrate)}
+
+
+def main() -> None:
+    figure, params, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    result = FIGURES[figure](params)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The training workload every system runs, and the event log it writes.
+
+One loop, `run_loop`, is shared by ft-train, Ray Train and bare torch.distributed: only the
+adapter (`Api`) that wraps the system's model preparation, checkpoint lookup and report() differs.
+So the three measure the same model (a 4.2M-parameter MLP, DDP over gloo), the same batches, the
+same checkpoint contents and the same fault points.
+
+Each rank appends one JSON line per event to `config["events"]` (O_APPEND, one write per line, so
+the lines of two ranks never interleave). Times are wall-clock `time.time()` so that events from
+the harness, the driver and the ranks share one clock; durations inside a rank use perf_counter.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+BATCH = 64
+IN, HIDDEN, OUT = 1024, 2048, 10
+
+
+def build_model() -> nn.Module:
+    """4 207 626 parameters (16.8 MB of float32)."""
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, IN), nn.ReLU(), nn.Linear(IN, OUT)
+    )
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class Events:
+    """Appends events of one rank to the run's JSONL file."""
+
+    def __init__(self, path: Optional[str], system: str, rank: int):
+        self.system, self.rank = system, rank
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+
+    def emit(self, event: str, t: Optional[float] = None, **fields: Any) -> None:
+        if self.fd is None:
+            return
+        rec = {"sys": self.system, "rank": self.rank, "event": event, "t": t or time.time(), **fields}
+        os.write(self.fd, (json.dumps(rec) + "\n").encode())
+
+
+def read_events(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Api:
+    """What differs between the systems. Every method is called on every rank."""
+
+    system = "none"
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def checkpoint_dir(self) -> ContextManager[Optional[str]]:
+        """The latest committed checkpoint as a local directory, or None."""
+        raise NotImplementedError
+
+    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+        """mode: "sync" or "async" (where the system has it). With "async" the system owns and
+        deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
+        raise NotImplementedError
+
+
+def _pad(nbytes: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (max(nbytes, 0),), dtype=torch.uint8, generator=g)
+
+
+def checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer, step: int, pad: Optional[torch.Tensor]) -> dict:
+    raw = getattr(model, "module", model)
+    state = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step}
+    if pad is not None:
+        state["pad"] = pad
+    return state
+
+
+def serialise_s(state: dict, repeat: int = 2) -> float:
+    """The reference: torch.save of the same state into memory (best of `repeat`)."""
+    best = float("inf")
+    for _ in range(repeat):
+        buf = io.BytesIO()
+        t0 = time.perf_counter()
+        torch.save(state, buf)
+        best = min(best, time.perf_counter() - t0)
+        del buf
+    return best
+
+
+def _fault(config: dict, rank: int, step: int, ev: Events) -> None:
+    """The fault points: "kill" SIGKILLs this rank's process; "node" SIGKILLs its parent (the
+    Dask nanny / the Ray raylet of its node) and then itself. Each fires once (a marker file)."""
+    for f in config.get("faults", ()):
+        if f["rank"] != rank or f["step"] != step:
+            continue
+        try:
+            os.close(os.open(f["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/cmdline", "rb") as fh:  # which process a "node" kill takes down
+            parent = fh.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        ev.emit("kill", kind=f["kind"], step=step, pid=os.getpid(), ppid=ppid, parent=parent)
+        if f["kind"] == "node":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_loop(config: dict, api: Api) -> None:
+    """The training loop. Config keys: steps, events, checkpoint_every (0: never),
+    checkpoint_bytes (total size of a checkpoint; rank 0 writes it), report_every (0: only with
+    checkpoints), upload ("sync"/"async"), faults, serialise (measure the in-memory reference)."""
+    torch.set_num_threads(1)  # two ranks on two cores: one core each, in every system
+    rank = api.rank()
+    ev = Events(config.get("events"), api.system, rank)
+    ev.emit("start", pid=os.getpid())
+    torch.manual_seed(0)
+    model = api.prepare_model(build_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    raw = getattr(model, "module", model)
+
+    start, restored = 0, False
+    with api.checkpoint_dir() as d:
+        if d is not None:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+            raw.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start, restored = state["step"], True
+    if restored:
+        ev.emit("restored", step=start)
+    ev.emit("ready")
+
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
+    every, report_every = config.get("checkpoint_every", 0), config.get("report_every", 1)
+    mode = config.get("upload", "sync")
+    pad = None
+    if every and rank == 0:
+        # model + optimizer are 33.7 MB; pad the checkpoint up to the asked size
+        base = 2 * 4 * n_params(raw)
+        pad = _pad(config.get("checkpoint_bytes", 0) - base) if config.get("checkpoint_bytes") else None
+    report_s: list[float] = []
+
+    for step in range(start + 1, config["steps"] + 1):
+        _fault(config, rank, step, ev)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        t = time.time()
+        ev.emit("step", t=t, step=step, restored=restored)
+        metrics = {"step": step, "loss": loss.item(), "t": t}
+        if every and step % every == 0:
+            t0 = time.perf_counter()
+            d = tempfile.mkdtemp(prefix="bench-ckpt-")
+            if rank == 0:
+                torch.save(checkpoint_state(model, opt, step, pad), os.path.join(d, "state.pt"))
+            t1 = time.perf_counter()
+            api.report(metrics, d if rank == 0 else None, mode)
+            t2 = time.perf_counter()
+            if mode != "async" or rank != 0:
+                shutil.rmtree(d, ignore_errors=True)
+            t3 = time.perf_counter()
+            ev.emit("ckpt", step=step, save_s=t1 - t0, report_s=t2 - t1, cleanup_s=t3 - t2,
+                    stall_s=t3 - t0, mode=mode)
+        elif report_every and step % report_every == 0:
+            t0 = time.perf_counter()
+            api.report(metrics, None, mode)
+            report_s.append(time.perf_counter() - t0)
+    if report_s:
+        ev.emit("reports", durations=report_s)
+    if config.get("serialise") and rank == 0:
+        ev.emit("serialise", s=serialise_s(checkpoint_state(model, opt, config["steps"], pad)))
+    ev.emit("end")
+
+
+# -- figures from events ---------------------------------------------------------------------
+
+
+def first_restored_step(events: list[dict], after: float) -> Optional[dict]:
+    """The first training step completed by every rank after a restore (the latest rank's time)."""
+    steps = [e for e in events if e["event"] == "step" and e.get("restored") and e["t"] >= after]
+    if not steps:
+        return None
+    first = min(e["step"] for e in steps)
+    return max((e for e in steps if e["step"] == first), key=lambda e: e["t"])
+
+
+def recovery_s(events: list[dict]) -> Optional[float]:
+    kills = [e for e in events if e["event"] == "kill"]
+    if not kills:
+        return None
+    t_kill = kills[0]["t"]
+    first = first_restored_step(events, t_kill)
+    return None if first is None else first["t"] - t_kill
+
+
+def first_step_t(events: list[dict]) -> Optional[float]:
+    """When step 1 was completed by every rank."""
+    ts = [e["t"] for e in events if e["event"] == "step" and e["step"] == 1]
+    return max(ts) if ts else None
+
+
+def throughput(events: list[dict], warmup: int) -> Optional[float]:
+    """Steps per second on rank 0 from step `warmup` to its last step (first attempt only)."""
+    steps = sorted(
+        (e["step"], e["t"]) for e in events
+        if e["event"] == "step" and e["rank"] == 0 and not e.get("restored")
+    )
+    steps = [s for s in steps if s[0] >= warmup]
+    if len(steps) < 2:
+        return None
+    return (steps[-1][0] - steps[0][0]) / (steps[-1][1] - steps[0][1])
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def report_stats(events: list[dict], skip: int = 2) -> Optional[dict]:
+    """Per-call blocking time of metrics-only report(), over every rank (the first `skip` calls
+    of each rank are left out: the first call of a system may set things up)."""
+    durs = [d for e in events if e["event"] == "reports" for d in e["durations"][skip:]]
+    if not durs:
+        return None
+    return {
+        "median_ms": statistics.median(durs) * 1e3,
+        "p99_ms": percentile(durs, 0.99) * 1e3,
+        "mean_ms": statistics.fmean(durs) * 1e3,
+        "max_ms": max(durs) * 1e3,
+        "calls": len(durs),
+    }
+
+
+def stall_stats(events: list[dict]) -> Optional[dict]:
+    """Rank 0's blocked time per checkpoint (median over the run's checkpoints)."""
+    ck = [e for e in events if e["event"] == "ckpt" and e["rank"] == 0]
+    if not ck:
+        return None
+    med = lambda k: statistics.median(e[k] for e in ck)  # noqa: E731
+    other = [e["stall_s"] for e in events if e["event"] == "ckpt" and e["rank"] != 0]
+    ser = [e["s"] for e in events if e["event"] == "serialise"]
+    return {
+        "stall_s": med("stall_s"),
+        "save_s": med("save_s"),
+        "report_s": med("report_s"),
+        "cleanup_s": med("cleanup_s"),
+        "other_rank_stall_s": statistics.median(other) if other else None,
+        "serialise_s": ser[0] if ser else None,
+        "checkpoints": len(ck),
+    }
+

@@ -1,0 +1,101 @@
+"""Preemption: a worker told to leave (SIGTERM) gives its ranks notice before it goes.
+
+The `PreemptionWatcher` worker plugin replaces the worker's SIGTERM handler: instead of closing
+at once, the worker notes a deadline (now + grace), tells the driver, and closes itself at the
+deadline unless the driver has released it sooner. Every rank learns of the notice at the same
+`report()` boundary: each report all-reduces the ranks' local notices over a small gloo group,
+so the training function can save a just-in-time checkpoint that is committed before the worker
+leaves. The restart that follows is charged to `max_preemption_failures`, not `max_failures`.
+
+The same agreement carries the driver's request to stop a healthy group at the next report
+(`request_stop`, used to grow an elastic group): every rank then leaves its training function
+at the same report, and keeps its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+logger = logging.getLogger("ft_train")
+
+TOPIC = "ft-train-preemption"
+
+# This process's notice: the epoch time by which its worker leaves. Set by the signal handler.
+_deadline: Optional[float] = None
+# The attempt whose ranks the driver asked to stop at their next report.
+_stop_for: Optional[str] = None
+
+
+class GroupStop(BaseException):
+    """Raised by report() on every rank of a group the driver stopped; not an Exception, so a
+    training function's `except Exception` does not swallow it."""
+
+
+def request_stop(attempt_id: str) -> None:
+    """Run on a worker (Client.run): its rank leaves at its next report()."""
+    global _stop_for
+    _stop_for = attempt_id
+
+
+@dataclass(frozen=True)
+class PreemptionInfo:
+    """What `ft_train.get_preemption_info()` returns once the group has been given notice."""
+
+    ranks: tuple[int, ...]  # the ranks whose workers are leaving
+    deadline: float  # epoch seconds by which the first of them leaves
+
+
+def local_deadline() -> Optional[float]:
+    return _deadline
+
+
+class PreemptionWatcher(WorkerPlugin):
+    """Installed on every worker of the run's cluster (and on workers that join later)."""
+
+    name = "ft-train-preemption"
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+
+    def setup(self, worker) -> None:
+        def on_sigterm(signum, frame) -> None:
+            # A signal handler: no logging here; hand the work to the event loop.
+            global _deadline
+            if _deadline is None:
+                _deadline = time.time() + self.grace_s
+                worker.loop.add_callback(self._notice, worker, _deadline)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not the main thread (an in-process worker): no notice possible
+            logger.debug("cannot watch SIGTERM on worker %s", worker.address)
+
+    async def _notice(self, worker, deadline: float) -> None:
+        worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})
+        await asyncio.sleep(max(0.0, deadline - time.time()))  # the grace period, then leave
+        await worker.close(reason="preempted")
+
+
+def agree(control_group, rank: int, world_size: int, attempt_id: str) -> tuple[Optional[PreemptionInfo], bool]:
+    """All ranks, at the same report(): which ranks have notice to leave (with the earliest
+    deadline), and whether the driver asked the group to stop."""
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.zeros(world_size + 2, dtype=torch.float64)
+    flags[world_size] = float("-inf") if _deadline is None else -_deadline  # MAX: the earliest
+    if _deadline is not None:
+        flags[rank] = 1.0
+    flags[world_size + 1] = 1.0 if _stop_for == attempt_id else 0.0
+    if world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group)
+    ranks = tuple(int(r) for r in torch.nonzero(flags[:world_size]).flatten())
+    info = PreemptionInfo(ranks, -float(flags[world_size])) if ranks else None
+    return info, bool(flags[world_size + 1])

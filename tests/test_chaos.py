@@ -1,0 +1,382 @@
+"""Chaos: one deterministic training run (the digits demo, 2 ranks, 48 steps, a checkpoint every
+3) survives a schedule of 20+ injected faults of every kind, and ends bit-identical to a
+fault-free run of the same config, with every fault in its run state's history, kind and order.
+
+Each fault fires once, at a given (rank, step) of the training loop (ft_train.faults, with a
+marker file). Faults the rank cannot do to itself (its node taken away, the driver killed) are
+gated: the rank blocks at its step ("wait") and the test acts once the gate's marker exists. No
+sleeps: every wait is a bounded wait for a condition.
+
+The run has two driver runs, split by the driver crash of the schedule:
+1. a driver in a subprocess, with its own local Dask cluster (the embedded default), SIGKILLed
+   with its whole process group once it holds at the crash's checkpoint;
+2. the same name rerun in this process, on an external cluster of `dask worker` processes (each
+   under a nanny) reached by address, where the test can take a node away for good.
+
+To add a kind (e.g. preemption): a `Kind` in KINDS (what the rank injects, the failure kind the
+run state must record, and for a gated kind the test's action), then entries in SCHEDULE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+import ft_train
+from ft_train.rank import free_port
+from tests.helpers import load_state, train_demo, wait_for
+
+REPO = str(Path(__file__).resolve().parents[1])
+DASK = str(Path(sys.executable).parent / "dask")
+DEMO = "ft_train.examples.digits:train_loop"
+
+# 2 ranks x 750 images / batch 64 = 12 steps an epoch; 4 epochs = 48 steps
+CONFIG = {"epochs": 4, "checkpoint_every": 3, "batch_size": 64, "seed": 0}
+STEPS, EVERY = 48, 3
+HANG_TIMEOUT_S = 8.0  # ranks' collectives time out at 0.8 x this
+GATE_TIMEOUT_S = 300  # bound on waiting for a rank to reach a gate (restarts included)
+
+
+# -- the schedule ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    inject: str  # the ft_train.faults kind the rank runs at (rank, step)
+    recorded: str  # FailureRecord.kind the run state must show
+    exact_step: bool = True  # whether the record's step is the fault's step (see below)
+    ranked: bool = True  # whether the record names the rank
+    external: bool = False  # needs the external cluster (phase 2)
+    action: Optional[Callable[["Chaos", "Fault"], None]] = None  # the test's part, at the gate
+
+
+@dataclass(frozen=True)
+class Fault:
+    step: int
+    rank: int
+    kind: str
+
+    @property
+    def spec(self) -> Kind:
+        return KINDS[self.kind]
+
+    def marker(self, root: Path) -> str:
+        return str(root / f"fault-{self.step:02d}-rank{self.rank}-{self.kind}")
+
+    @property
+    def restore(self) -> int:
+        """The report index the next attempt starts from: the latest checkpoint at the fault."""
+        return self.step // EVERY * EVERY
+
+
+def take_node_away(chaos: "Chaos", fault: Fault) -> None:
+    chaos.cluster.take_away_rank(fault.rank, chaos.storage, chaos.name)
+
+
+KINDS: dict[str, Kind] = {
+    "raise": Kind("raise", "exception"),
+    # A SIGKILLed rank's last reports may die with its process (batched): the record's step is
+    # the last one the driver received, somewhere from the restore point up to the fault's step.
+    "kill": Kind("kill", "process_death", exact_step=False),
+    "hang": Kind("wait", "hang"),
+    "node_loss": Kind("wait", "node_loss", external=True, action=take_node_away),
+    # the phase boundary: handled by the test itself; must sit on a checkpoint step
+    "driver_crash": Kind("wait", "driver_crash", ranked=False),
+}
+
+# (step, rank, kind), in step order; one fault per step, so their order is the schedule's.
+# Steps on a checkpoint (multiples of 3) are avoided except for the driver crash: a rank failing
+# right after reporting a checkpoint would race that checkpoint's commit.
+SCHEDULE = [
+    Fault(*f)
+    for f in [
+        (1, 0, "raise"),
+        (2, 1, "kill"),
+        (4, 1, "raise"),
+        (5, 0, "kill"),
+        (7, 1, "hang"),
+        (8, 0, "raise"),
+        (10, 1, "kill"),
+        (13, 0, "raise"),  # the first step of epoch 2, resumed from the epoch boundary
+        (14, 1, "raise"),
+        (16, 0, "kill"),
+        (20, 1, "raise"),
+        (24, 0, "driver_crash"),  # phase 1 ends: SIGKILL of the driver at checkpoint 24
+        (25, 1, "raise"),
+        (26, 0, "node_loss"),
+        (28, 1, "kill"),
+        (29, 0, "raise"),
+        (31, 0, "hang"),
+        (32, 1, "node_loss"),
+        (34, 0, "kill"),
+        (37, 1, "raise"),  # the first step of epoch 4
+        (38, 0, "raise"),
+        (40, 1, "kill"),
+        (44, 0, "raise"),
+        (47, 1, "kill"),  # the last step
+    ]
+]
+
+
+def _check_schedule() -> tuple[list[Fault], Fault, list[Fault]]:
+    steps = [f.step for f in SCHEDULE]
+    assert steps == sorted(set(steps)) and steps[-1] < STEPS, "one fault per step, in order"
+    (crash,) = [f for f in SCHEDULE if f.kind == "driver_crash"]
+    assert crash.step % EVERY == 0, "the driver is killed right after a checkpoint"
+    before = [f for f in SCHEDULE if f.step < crash.step]
+    after = [f for f in SCHEDULE if f.step > crash.step]
+    assert not any(f.spec.external for f in before), "phase 1 runs on a local cluster"
+    assert all(f.step % EVERY for f in before + after), "no rank fault on a checkpoint step"
+    return before, crash, after
+
+
+# -- the clusters and drivers --------------------------------------------------------------------
+
+
+class ExternalCluster:
+    """`dask scheduler` and `dask worker`s (each under a nanny) on loopback, as an operator runs
+    them. Killing a worker's process group (nanny and worker) takes its node away for good."""
+
+    def __init__(self, tmp_path: Path):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.tmp_path = tmp_path
+        self.env = dict(os.environ, PYTHONPATH=REPO, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.client = None
+        port = self.address.rsplit(":", 1)[1]
+        self._start("scheduler", [DASK, "scheduler", "--host", "127.0.0.1", "--port", port,
+                                  "--no-dashboard"])
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.tmp_path / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def add_worker(self) -> str:
+        name = f"w{sum(n.startswith('w') for n in self.procs)}"
+        self._start(name, [DASK, "worker", self.address, "--name", name, "--nthreads", "1",
+                           "--host", "127.0.0.1", "--no-dashboard"])
+        return name
+
+    def connect(self, names: list[str]) -> None:
+        from distributed import Client
+
+        self.client = Client(self.address, timeout=60, set_as_default=False)
+        wait_for(lambda: set(names) <= set(self.workers().values()), 120, f"workers {names}")
+
+    def workers(self) -> dict[str, str]:
+        """address -> name of the workers the scheduler knows now."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        return {a: str(w["name"]) for a, w in info.items()}
+
+    def take_away_rank(self, rank: int, storage, name: str) -> None:
+        """Kill the node (nanny and worker) of `rank` in the latest attempt; add a new node."""
+        key = f"ft-train-rank-{rank}-{load_state(storage, name).attempts[-1].attempt_id}"
+        where = {k: a for a, keys in self.client.processing().items() for k in keys}
+        address = where[key]
+        os.killpg(self.procs[self.workers()[address]].pid, signal.SIGKILL)
+        self.add_worker()  # the replacement
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@dataclass
+class Chaos:
+    """What a gate's action may act on."""
+
+    cluster: ExternalCluster
+    storage: object
+    name: str
+
+
+def run_gates(faults: list[Fault], root: Path, chaos: Chaos, stop: threading.Event, errors: list):
+    """In a thread beside the driver: for each gated fault in order, once its rank holds at the
+    gate, do the test's part (e.g. take the node away)."""
+    try:
+        for f in faults:
+            if f.spec.action is None:
+                continue
+            wait_for(lambda: stop.is_set() or os.path.exists(f.marker(root)), GATE_TIMEOUT_S,
+                     f"rank {f.rank} to reach the gate of {f}")
+            if stop.is_set():
+                return
+            f.spec.action(chaos, f)
+    except BaseException as e:  # surfaced by the test after the driver returns
+        errors.append(e)
+
+
+def start_driver(args: dict, api_url: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO)
+    return subprocess.Popen(
+        [sys.executable, __file__, json.dumps(args)], env=env, cwd=REPO,
+        stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the driver and its local Dask cluster
+    )
+
+
+def drive(args: dict) -> ft_train.TrainResult:
+    """The driver of both phases: the demo flow with the chaos run's settings."""
+    from flows.train import train
+
+    return train(
+        train_loop=DEMO,
+        train_loop_config=args["config"],
+        scaling_config=ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120),
+        run_config=ft_train.RunConfig(
+            name=args["name"],
+            storage_path=args["storage_path"],
+            storage_options=args["storage_options"],
+            failure_config=ft_train.FailureConfig(max_failures=-1, hang_timeout_s=HANG_TIMEOUT_S),
+        ),
+        cluster=ft_train.ClusterConfig(**args.get("cluster", {})),
+    )
+
+
+# -- the test ------------------------------------------------------------------------------------
+
+
+def final_state(result: ft_train.TrainResult) -> dict:
+    """The last checkpoint's training state: model, optimizer, data position."""
+    with result.checkpoint.as_directory() as d:
+        return torch.load(os.path.join(d, "train_state.pt"), weights_only=False)
+
+
+def assert_identical(a, b, where="state") -> None:
+    """Bit-identical nested state dicts (tensors compared exactly, dtype included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_api, tmp_path_factory):
+    """The same training, fault-free, in one go."""
+    from tests.conftest import StorageTarget
+
+    storage = StorageTarget("local", str(tmp_path_factory.mktemp("reference") / "runs"))
+    result = train_demo(storage, "reference", dict(CONFIG, faults=[]))
+    assert result.status == "finished" and result.failures == []
+    return result
+
+
+@pytest.fixture
+def external_cluster(tmp_path):
+    cluster = ExternalCluster(tmp_path)
+    try:
+        names = [cluster.add_worker() for _ in range(3)]  # 2 ranks and a spare
+        cluster.connect(names)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_twenty_faults_of_every_kind_end_bit_identical_to_a_fault_free_run(
+    storage, tmp_path, prefect_api, reference, external_cluster
+):
+    before, crash, after = _check_schedule()
+    name = "chaos"
+    faults = [{"rank": f.rank, "step": f.step, "kind": f.spec.inject, "marker": f.marker(tmp_path)}
+              for f in SCHEDULE]
+    args = dict(name=name, config=dict(CONFIG, faults=faults), storage_path=storage.path,
+                storage_options=storage.options)
+
+    # Phase 1: a driver with its own local cluster (a spare worker speeds up restarts), killed
+    # with its whole process group once it holds right after the crash's checkpoint.
+    log = tmp_path / "driver-1.log"
+    driver = start_driver(dict(args, cluster={"n_workers": 3}), prefect_api, log)
+    try:
+        def at_gate():
+            assert driver.poll() is None, f"driver exited early:\n{log.read_text()[-3000:]}"
+            return os.path.exists(crash.marker(tmp_path))
+
+        wait_for(at_gate, GATE_TIMEOUT_S, f"the driver to reach the gate of {crash}")
+        wait_for(lambda: load_state(storage, name).report_index == crash.step, 60,
+                 f"the checkpoint of step {crash.step} to be committed")
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    killed = load_state(storage, name)
+    assert killed.status == "running", "a SIGKILLed driver records nothing"
+    assert killed.latest.startswith(f"checkpoint_{crash.step:06d}-")
+    assert [(f.kind, f.rank) for f in killed.failures] == [
+        (f.spec.recorded, f.rank) for f in before
+    ], log.read_text()[-5000:]
+
+    # Phase 2: the same name, rerun here on the external cluster, with a thread that does the
+    # test's part at each gate (taking a rank's node away).
+    stop, errors = threading.Event(), []
+    chaos = Chaos(external_cluster, storage, name)
+    gates = threading.Thread(target=run_gates, args=(after, tmp_path, chaos, stop, errors),
+                             daemon=True)
+    gates.start()
+    try:
+        result = drive(dict(args, cluster={"address": external_cluster.address}))
+    finally:
+        stop.set()
+        gates.join(timeout=60)
+    assert not errors, errors
+
+    # Every fault is in the history, in order, with its kind, rank, step and attempt; nothing else.
+    state = load_state(storage, name)
+    assert result.status == "finished" and result.error is None
+    assert len(SCHEDULE) >= 20
+    assert [f.model_dump() for f in result.failures] == [f.model_dump() for f in state.failures]
+    got = [(f.kind, f.rank, f.charged) for f in state.failures]
+    want = [(f.spec.recorded, f.rank if f.spec.ranked else None, f.kind != "driver_crash")
+            for f in SCHEDULE]
+    assert got == want
+    for i, (record, f) in enumerate(zip(state.failures, SCHEDULE)):
+        assert record.attempt == i, (i, f, record)
+        if f.spec.exact_step:
+            assert record.step == f.step, (f, record)
+        else:
+            assert f.restore <= record.step <= f.step, (f, record)
+
+    # Each restart resumed from the latest committed checkpoint (never from scratch), and each
+    # fault cost exactly one attempt.
+    assert len(state.attempts) == len(SCHEDULE) + 1
+    assert state.attempts[0].restored_from is None
+    for attempt, f in zip(state.attempts[1:], SCHEDULE):
+        assert attempt.start_report_index == f.restore, (f, attempt)
+        assert attempt.restored_from.startswith(f"checkpoint_{f.restore:06d}-"), (f, attempt)
+    assert all(a.world_size == 2 for a in state.attempts)
+    assert state.driver_runs == 2
+    assert result.metrics["step"] == STEPS and result.metrics["resumed_from"] == SCHEDULE[-1].restore
+
+    # Bit-identical to the fault-free run: weights, optimizer state, data position, metrics.
+    assert_identical(final_state(result), final_state(reference))
+    assert result.metrics["loss"] == reference.metrics["loss"]
+    assert result.metrics["val_accuracy"] == reference.metrics["val_accuracy"]
+
+
+if __name__ == "__main__":  # the driver of phase 1, in its own process (see start_driver)
+    sys.path.insert(0, REPO)
+    drive(json.loads(sys.argv[1]))

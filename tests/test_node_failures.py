@@ -1,0 +1,202 @@
+"""Worker node failures on an existing Dask cluster (reached by address), whose workers are
+separate `dask worker` processes without nannies: a lost worker is gone for good."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+import ft_train
+from ft_train.rank import free_port
+from tests.helpers import demo_config, fault, load_state, wait_for
+
+REPO = str(Path(__file__).resolve().parents[1])
+DASK = str(Path(sys.executable).parent / "dask")
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+class ExternalCluster:
+    """`dask scheduler` and `dask worker` processes on loopback, as an operator would run them."""
+
+    def __init__(self, tmp_path):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.tmp_path = tmp_path
+        self.env = dict(os.environ, PYTHONPATH=REPO, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+        self.procs: dict[str, subprocess.Popen] = {}
+        port = self.address.rsplit(":", 1)[1]
+        self._start("scheduler", [DASK, "scheduler", "--host", "127.0.0.1", "--port", port,
+                                  "--no-dashboard"])
+
+    def _start(self, name, cmd):
+        log = open(self.tmp_path / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def add_worker(self, name):
+        self._start(name, [DASK, "worker", self.address, "--name", name, "--nthreads", "1",
+                           "--no-nanny", "--no-dashboard"])
+
+    def workers(self) -> dict[str, str]:
+        """name -> address of the workers the scheduler knows now."""
+        with Client(self.address, timeout=30) as c:
+            return {w["name"]: a for a, w in c.scheduler_info(n_workers=-1)["workers"].items()}
+
+    def wait_workers(self, names):
+        wait_for(lambda: set(names) <= set(self.workers()), 120, f"workers {names}")
+
+    def kill(self, name):
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+
+    def close(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = ExternalCluster(tmp_path)
+    try:
+        for i in range(3):
+            c.add_worker(f"w{i}")
+        c.wait_workers(["w0", "w1", "w2"])
+        yield c
+    finally:
+        c.close()
+
+
+def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path, cluster):
+    from flows.train import train
+
+    # rank 1 (on worker w1: ranks follow worker names) holds at step 7, after the checkpoint of
+    # step 5, so the test can take its machine away mid-run
+    hold = fault(tmp_path, 1, 7, kind="wait")
+    name = "node-loss"
+
+    def take_away_w1():
+        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 1 to reach step 7")
+        killed_at = time.time()
+        cluster.kill("w1")
+        cluster.add_worker("w3")  # the replacement
+        return killed_at
+
+    import threading
+
+    killed = {}
+    chaos = threading.Thread(target=lambda: killed.setdefault("at", take_away_w1()), daemon=True)
+    chaos.start()
+    result = train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config([hold]),
+        scaling_config=ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120),
+        run_config=ft_train.RunConfig(
+            name=name, storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=1),
+        ),
+        cluster=ft_train.ClusterConfig(address=cluster.address),
+    )
+    chaos.join(timeout=10)
+    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank) == ("node_loss", 1)
+    # the scheduler's own signal: detected at once, not after a collective or watchdog timeout
+    assert failure.time.timestamp() - killed["at"] < 5
+    state = load_state(storage, name)
+    assert [a.world_size for a in state.attempts] == [2, 2]
+    assert "w1" not in cluster.workers()
+
+
+def test_too_few_workers_fail_with_a_clear_error(storage, cluster):
+    from flows.train import train
+
+    with pytest.raises(ft_train.WorkerStartupError, match="worker_start_timeout_s"):
+        train(
+            train_loop="tests.loops:report_many",
+            scaling_config=ft_train.ScalingConfig(num_workers=4, worker_start_timeout_s=2),
+            run_config=ft_train.RunConfig(
+                name="too-few", storage_path=storage.path, storage_options=storage.options
+            ),
+            cluster=ft_train.ClusterConfig(address=cluster.address),
+        )
+    assert load_state(storage, "too-few").status == "failed"
+
+
+def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster):
+    from flows.train import train
+
+    # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
+    gate = fault(tmp_path, 0, 7, kind="until_preempted")
+
+    def preempt_w0():
+        wait_for(lambda: os.path.exists(gate["marker"]), 240, "rank 0 to reach step 7")
+        os.kill(cluster.procs["w0"].pid, signal.SIGTERM)
+
+    import threading
+
+    threading.Thread(target=preempt_w0, daemon=True).start()
+    result = train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config([gate]),
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name="preempted", storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=0, preemption_grace_s=60),
+        ),
+        cluster=ft_train.ClusterConfig(address=cluster.address),
+    )
+    assert result.status == "finished"
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
+    state = load_state(storage, "preempted")
+    # every rank learned at the report of step 8; the loop saved a just-in-time checkpoint
+    # (an extra report, index 9) that was committed before w0 left, and the run resumed from it
+    jit = state.attempts[1].restored_from
+    assert jit is not None and jit.startswith("checkpoint_000009-a0-")
+    assert result.metrics["resumed_from"] == 8
+    assert "w0" not in cluster.workers()  # it left; the run went on on w1 and w2
+
+
+def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_path, cluster):
+    from flows.train import train
+
+    cluster.kill("w2")  # two workers: w0 and w1
+    wait_for(lambda: "w2" not in cluster.workers(), 60, "w2 to leave")
+    lose_w1 = fault(tmp_path, 1, 4, kind="wait")  # rank 1 holds at step 4: take w1 away
+    release = tmp_path / "release"
+    on_one = {**fault(tmp_path, 0, 8, kind="until_file"), "path": str(release)}
+
+    def operator():
+        wait_for(lambda: os.path.exists(lose_w1["marker"]), 240, "rank 1 to reach step 4")
+        cluster.kill("w1")  # lost, and not replaced
+        wait_for(lambda: os.path.exists(on_one["marker"]), 240, "the group of one at step 8")
+        sizes = [a.world_size for a in load_state(storage, "elastic").attempts]
+        cluster.add_worker("w3")  # a worker comes back
+        cluster.wait_workers(["w3"])
+        release.write_text(" ".join(map(str, sizes)))
+
+    import threading
+
+    threading.Thread(target=operator, daemon=True).start()
+    result = train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config([lose_w1, on_one], epochs=2, checkpoint_every=3),
+        scaling_config=ft_train.ScalingConfig(num_workers=(1, 2), elastic_wait_s=1),
+        run_config=ft_train.RunConfig(
+            name="elastic", storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=1),
+        ),
+        cluster=ft_train.ClusterConfig(address=cluster.address),
+    )
+    assert result.status == "finished"
+    assert release.read_text() == "2 1"  # it went on with one worker rather than waiting
+    assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]  # a resize is not
+    state = load_state(storage, "elastic")
+    assert [a.world_size for a in state.attempts] == [2, 1, 2]  # grew back once w3 came
+    assert state.attempts[2].restored_from.startswith("checkpoint_000009-a1-")
