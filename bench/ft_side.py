@@ -47,6 +47,18 @@ class FtApi(Api):
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ft_train.report(metrics, checkpoint=ckpt)
 
+    def wait_committed(self, config: dict, step: int) -> None:
+        """ft-train has no worker-side call for it: poll the stored run state (bounded)."""
+        run = config["run"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ft_train.StorageError):
+                r = ft_train.TrainResult.from_path(run["path"], run["name"], run["options"])
+                if r.metrics and r.metrics.get("step", 0) >= step:
+                    return
+            time.sleep(0.02)  # polling a condition on storage, bounded by the deadline
+        raise TimeoutError(f"checkpoint of step {step} not committed within 60 s")
+
 
 def train_loop(config: dict) -> None:
     run_loop(config, FtApi())
@@ -71,6 +83,7 @@ def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int 
     from flows.train import train
 
     path, opts = storage_target(p)
+    config = {**config, "run": {"path": path, "options": opts, "name": name}}
     t_call = time.time()
     result = train(
         train_loop=TRAIN_LOOP,
@@ -104,7 +117,8 @@ def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
 def recovery(p: dict) -> dict:
     """A rank SIGKILLs its own process at step 7 (checkpoint at step 5)."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "kill")]}
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
+           "faults": [fault(p, "kill")]}
     run = call_flow("recovery", cfg, p)
     return {"run": run, "events": read_events(events)}
 
@@ -144,7 +158,8 @@ def node_loss(p: dict) -> dict:
     """A whole Dask worker (nanny and worker process) is SIGKILLed at rank 1's step 7; a third,
     spare worker takes its place."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "node")]}
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
+           "faults": [fault(p, "node")]}
     with dask_cluster(p["workdir"], 3) as address:
         run = call_flow("node-loss", cfg, p, cluster=ft_train.ClusterConfig(address=address))
     return {"run": run, "events": read_events(events)}

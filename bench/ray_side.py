@@ -50,6 +50,13 @@ class RayApi(Api):
         upload = ray.train.CheckpointUploadMode.ASYNC if mode == "async" else ray.train.CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=upload)
 
+    def wait_committed(self, config: dict, step: int) -> None:
+        import ray.train
+
+        ray.train.get_all_reported_checkpoints(
+            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED
+        )
+
 
 def train_loop(config: dict) -> None:
     run_loop(config, RayApi())
@@ -120,7 +127,8 @@ def local_ray() -> Iterator[None]:
 
 def recovery(p: dict) -> dict:
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "kill")]}
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
+           "faults": [fault(p, "kill")]}
     with local_ray():
         run = fit("recovery", cfg, p)
     return {"run": run, "events": read_events(events)}
@@ -133,7 +141,8 @@ def node_loss(p: dict) -> dict:
     from ray.cluster_utils import Cluster
 
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "faults": [fault(p, "node")]}
+    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
+           "faults": [fault(p, "node")]}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         for _ in range(3):

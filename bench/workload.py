@@ -81,6 +81,11 @@ class Api:
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
 
+    def wait_committed(self, config: dict, step: int) -> None:
+        """Block until the checkpoint reported at `step` is committed (before a fault fires, so
+        that every system restores the same checkpoint)."""
+        raise NotImplementedError
+
 
 def _pad(nbytes: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
@@ -107,9 +112,10 @@ def serialise_s(state: dict, repeat: int = 2) -> float:
     return best
 
 
-def _fault(config: dict, rank: int, step: int, ev: Events) -> None:
+def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
     """The fault points: "kill" SIGKILLs this rank's process; "node" SIGKILLs its parent (the
-    Dask nanny / the Ray raylet of its node) and then itself. Each fires once (a marker file)."""
+    Dask nanny / the Ray raylet of its node) and then itself. Each fires once (a marker file),
+    after the latest checkpoint is committed (its step is `step - 2`)."""
     for f in config.get("faults", ()):
         if f["rank"] != rank or f["step"] != step:
             continue
@@ -117,6 +123,9 @@ def _fault(config: dict, rank: int, step: int, ev: Events) -> None:
             os.close(os.open(f["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
+        every = config.get("checkpoint_every", 0)
+        if every:
+            api.wait_committed(config, (step - 1) // every * every)
         ppid = os.getppid()
         with open(f"/proc/{ppid}/cmdline", "rb") as fh:  # which process a "node" kill takes down
             parent = fh.read().replace(b"\0", b" ").decode(errors="replace")[:120]
@@ -162,7 +171,7 @@ def run_loop(config: dict, api: Api) -> None:
     report_s: list[float] = []
 
     for step in range(start + 1, config["steps"] + 1):
-        _fault(config, rank, step, ev)
+        _fault(config, api, rank, step, ev)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -76,6 +77,15 @@ class PreemptionWatcher(WorkerPlugin):
             signal.signal(signal.SIGTERM, on_sigterm)
         except ValueError:  # not the main thread (an in-process worker): no notice possible
             logger.debug("cannot watch SIGTERM on worker %s", worker.address)
+
+    def teardown(self, worker) -> None:
+        """The worker is closing (retired, or its notice ran out). A rank still running in this
+        process could never report again, and would hold its peers in their collectives: end
+        the process, so they see the closed connection and stop on their own."""
+        from . import session
+
+        if session._session is not None:
+            os._exit(0)
 
     async def _notice(self, worker, deadline: float) -> None:
         worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})

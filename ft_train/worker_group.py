@@ -167,7 +167,9 @@ class WorkerGroup:
         msg = event[1]
         if isinstance(msg, dict) and msg.get("action") == "remove-worker":
             if msg.get("worker") in self.addresses:
-                self.events.put(("worker_lost", self.attempt, msg["worker"]))
+                # expected: the worker was retired or closed on purpose (Client.retire_workers)
+                expected = bool(msg.get("expected"))
+                self.events.put(("worker_lost", self.attempt, msg["worker"], expected))
 
     def _on_preemption_notice(self, event: tuple) -> None:
         msg = event[1]
@@ -213,10 +215,12 @@ class WorkerGroup:
         killed = {failed} & alive
         if killed:
             self.kill(list(killed))
+        # A rank whose worker is gone never ends: its task waits for that worker in vain.
+        running = [(a, f) for a, f in zip(self.addresses, self.futures) if a in alive - killed]
         deadline = time.monotonic() + grace_s
-        while not all(f.done() for f in self.futures) and time.monotonic() < deadline:
+        while not all(f.done() for _, f in running) and time.monotonic() < deadline:
             time.sleep(0.01)  # bounded by grace_s; the ones still running are killed below
-        stuck = [a for a, f in zip(self.addresses, self.futures) if not f.done() and a in alive]
+        stuck = [a for a, f in running if not f.done()]
         if stuck:
             self.kill(stuck)
         self.client.cancel(self.futures, force=True)

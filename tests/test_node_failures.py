@@ -200,3 +200,31 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
     state = load_state(storage, "elastic")
     assert [a.world_size for a in state.attempts] == [2, 1, 2]  # grew back once w3 came
     assert state.attempts[2].restored_from.startswith("checkpoint_000009-a1-")
+
+
+def test_a_retired_worker_is_a_preemption_not_a_failure(storage, tmp_path, cluster):
+    from flows.train import train
+
+    hold = fault(tmp_path, 0, 7, kind="wait")  # rank 0 (worker w0) holds at step 7
+
+    def retire_w0():
+        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 0 to reach step 7")
+        with Client(cluster.address, timeout=30) as c:
+            c.retire_workers([cluster.workers()["w0"]], close_workers=True)
+
+    import threading
+
+    threading.Thread(target=retire_w0, daemon=True).start()
+    result = train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config([hold]),
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name="retired", storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=0),
+        ),
+        cluster=ft_train.ClusterConfig(address=cluster.address),
+    )
+    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)

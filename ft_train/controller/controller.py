@@ -188,6 +188,10 @@ class Controller:
             if event[2] in self.phase.group.addresses:
                 self._note_preemption({event[2]}, event[3], boundary=False)
             return None
+        if kind == "worker_lost" and event[3] and self.preempting is None:
+            # Retired on purpose (Client.retire_workers), with no notice the ranks could see:
+            # a preemption without a just-in-time checkpoint.
+            self._note_preemption({event[2]}, time.time(), boundary=False)
         if kind == "worker_lost" and self.preempting and event[2] in self.preempting.workers:
             self._preempted(self.rounds.last_index, jit=None)
             return None
