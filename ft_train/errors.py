@@ -73,9 +73,10 @@ class RankFailure(Exception):
     """Raised by a rank's Dask task: the user function raised. Plain data, so it pickles
     whatever the user's exception was."""
 
-    def __init__(self, rank: int, step: int, error: str, traceback: str):
-        super().__init__(rank, step, error, traceback)
+    def __init__(self, rank: int, step: int, error: str, traceback: str, fatal: bool = False):
+        super().__init__(rank, step, error, traceback, fatal)
         self.rank, self.step, self.error, self.traceback = rank, step, error, traceback
+        self.fatal = fatal  # a broken contract (ConfigError, SessionError): never retried
 
     def __str__(self) -> str:
         return f"rank {self.rank} raised at step {self.step}: {self.error}"

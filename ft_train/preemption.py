@@ -93,19 +93,32 @@ class PreemptionWatcher(WorkerPlugin):
         await worker.close(reason="preempted")
 
 
-def agree(control_group, rank: int, world_size: int, attempt_id: str) -> tuple[Optional[PreemptionInfo], bool]:
-    """All ranks, at the same report(): which ranks have notice to leave (with the earliest
-    deadline), and whether the driver asked the group to stop."""
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank learns at the same report(), from one all-reduce."""
+
+    preemption: Optional[PreemptionInfo]
+    stop: bool  # the driver asked the group to stop
+    any_finished: bool  # some rank has returned from its training function
+    all_finished: bool
+
+
+def agree(
+    control_group, rank: int, world_size: int, attempt_id: str, finished: bool = False
+) -> Agreement:
     import torch
     import torch.distributed as dist
 
-    flags = torch.zeros(world_size + 2, dtype=torch.float64)
-    flags[world_size] = float("-inf") if _deadline is None else -_deadline  # MAX: the earliest
+    w = world_size
+    flags = torch.zeros(w + 4, dtype=torch.float64)  # all-reduced with MAX
+    flags[w] = float("-inf") if _deadline is None else -_deadline  # -earliest deadline
     if _deadline is not None:
         flags[rank] = 1.0
-    flags[world_size + 1] = 1.0 if _stop_for == attempt_id else 0.0
-    if world_size > 1:
+    flags[w + 1] = 1.0 if _stop_for == attempt_id else 0.0
+    flags[w + 2] = 1.0 if finished else 0.0  # any rank finished
+    flags[w + 3] = 0.0 if finished else 1.0  # any rank not finished
+    if w > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group)
-    ranks = tuple(int(r) for r in torch.nonzero(flags[:world_size]).flatten())
-    info = PreemptionInfo(ranks, -float(flags[world_size])) if ranks else None
-    return info, bool(flags[world_size + 1])
+    ranks = tuple(int(r) for r in torch.nonzero(flags[:w]).flatten())
+    info = PreemptionInfo(ranks, -float(flags[w])) if ranks else None
+    return Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not bool(flags[w + 3]))

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any, Callable, Union
 
 from . import session as _session
-from .errors import RankFailure, TrainLoopImportError
+from .errors import ConfigError, RankFailure, SessionError, TrainLoopImportError
 from .preemption import GroupStop
 from .session import RankSpec, Session
 
@@ -93,12 +93,16 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         session.control = dist.new_group(backend="gloo")  # all ranks, in the same order
         session.send({"rank": spec.rank, "started": True})  # the hang watchdog starts here
         call_train_loop(fn, spec.config)
+        session.finish()
         return {"rank": spec.rank, "reports": session.report_index}
     except GroupStop:  # the driver stopped the group (to resize it); this process stays
         return {"rank": spec.rank, "reports": session.report_index, "stopped": True}
     except BaseException as e:  # every failure of the user function becomes a RankFailure
         tb = traceback.format_exc(limit=-20)
-        raise RankFailure(spec.rank, session.report_index, f"{type(e).__name__}: {e}", tb) from None
+        error = f"{type(e).__name__}: {e}"
+        # a broken contract (ConfigError, SessionError): no retry can fix it
+        fatal = isinstance(e, (ConfigError, SessionError))
+        raise RankFailure(spec.rank, session.report_index, error, tb, fatal) from None
     finally:
         _session.install(None)
         if dist.is_initialized():

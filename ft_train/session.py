@@ -130,11 +130,13 @@ class Session:
         if self.control is not None:
             # Every rank calls this at its k-th report, so all of them learn at the same one.
             s = self.spec
-            info, stop = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id)
-            if stop:
+            agreed = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id)
+            if agreed.any_finished:
+                raise SessionError(_UNEQUAL.format(self.report_index))
+            if agreed.stop:
                 raise preemption.GroupStop()
-            if info is not None and self.preemption is None:
-                self.preemption = info
+            if agreed.preemption is not None and self.preemption is None:
+                self.preemption = info = agreed.preemption
                 msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
         if checkpoint is not None:
             s = self.spec
@@ -144,6 +146,21 @@ class Session:
             msg["dir_name"] = dir_name
         self.send(msg)
 
+
+    def finish(self) -> None:
+        """The training function returned: check with the other ranks that they are done too."""
+        if self.control is not None:
+            s = self.spec
+            agreed = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id, True)
+            if not agreed.all_finished:
+                raise SessionError(_UNEQUAL.format(self.report_index + 1))
+
+
+_UNEQUAL = (
+    "ranks called report() a different number of times: at report {}, some ranks had "
+    "returned from the training function and others had not; every rank must call report() "
+    "the same number of times"
+)
 
 _session: Optional[Session] = None
 

@@ -199,7 +199,8 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
     assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]  # a resize is not
     state = load_state(storage, "elastic")
     assert [a.world_size for a in state.attempts] == [2, 1, 2]  # grew back once w3 came
-    assert state.attempts[2].restored_from.startswith("checkpoint_000009-a1-")
+    # grown at a checkpoint boundary of the group of one
+    assert "-a1-" in state.attempts[2].restored_from
 
 
 def test_a_retired_worker_is_a_preemption_not_a_failure(storage, tmp_path, cluster):

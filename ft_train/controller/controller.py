@@ -246,8 +246,10 @@ class Controller:
 
     def _hung(self) -> None:
         """No report from some rank within hang_timeout_s. The hung rank is the one furthest
-        behind; the others usually wait for it in a collective."""
-        running = [r for r in self.progress if r not in self.done]
+        behind; the others usually wait for it in a collective (and one that already failed
+        waiting for a peer is not the hung one)."""
+        waiting = self.collateral[0] if self.collateral is not None else None
+        running = [r for r in self.progress if r not in self.done and r != waiting]
         rank = min(running, key=lambda r: (self.rounds.received.get(r, 0), self.progress[r]))
         timeout = self.failure_config.hang_timeout_s
         self._fail(rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)")
@@ -259,6 +261,10 @@ class Controller:
         if future.status == "cancelled":
             self._fail(rank, "node_loss", "the rank's Dask task was cancelled")
         exc = future.exception()
+        if isinstance(exc, RankFailure) and exc.fatal:
+            self.phase.group.stop(grace_s=0.0)
+            self.log(f"rank {rank} broke the training function's contract:\n{exc.traceback}")
+            raise SessionError(exc.error.split(": ", 1)[-1])
         if isinstance(exc, RankFailure):
             if self.collateral is None and _lost_a_peer(exc.error):
                 # Most likely the echo of another rank's failure, whose own signal (a lost
