@@ -24,6 +24,9 @@ DASK_SETTINGS = {
     "distributed.scheduler.allowed-failures": 0,
     "distributed.worker.daemon": False,
     "distributed.scheduler.worker-ttl": "60s",
+    # A LocalCluster/SpecCluster closes a nanny whose worker has not come back this long after
+    # it was lost; with a worker killed twice in a row, the cluster would shrink for good.
+    "distributed.deploy.lost-worker-timeout": "1h",
     # worker processes read it when distributed is imported: keep their logs to errors too
     # Worker processes read this when they import distributed. A failed rank is reported by the
     # controller, with its traceback; Dask's own "Compute Failed" would say it twice.

@@ -68,6 +68,7 @@ def dask_sender(topic: str) -> Callable[[dict], None]:
 
 def _init_process_group(spec: RankSpec) -> None:
     import torch
+    import torch._dynamo  # noqa: F401  (the first DDP imports it: not in the watchdog's time)
     import torch.distributed as dist
 
     if spec.use_gpu:
