@@ -138,7 +138,8 @@ def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
 def run_loop(config: dict, api: Api) -> None:
     """The training loop. Config keys: steps, events, checkpoint_every (0: never),
     checkpoint_bytes (total size of a checkpoint; rank 0 writes it), report_every (0: only with
-    checkpoints), upload ("sync"/"async"), faults, serialise (measure the in-memory reference)."""
+    checkpoints), upload ("sync"/"async"), faults, serialise (measure the in-memory reference
+    before the first checkpoint), settle (wait for each checkpoint's commit before the next)."""
     torch.set_num_threads(1)  # two ranks on two cores: one core each, in every system
     rank = api.rank()
     ev = Events(config.get("events"), api.system, rank)
@@ -180,6 +181,12 @@ def run_loop(config: dict, api: Api) -> None:
         ev.emit("step", t=t, step=step, restored=restored)
         metrics = {"step": step, "loss": loss.item(), "t": t}
         if every and step % every == 0:
+            if step > every and config.get("settle"):
+                # Not timed: the previous checkpoint is committed (an async upload is done), so
+                # each checkpoint is measured with nothing else in flight.
+                api.wait_committed(config, step - every)
+            elif step == every and config.get("serialise") and rank == 0:
+                ev.emit("serialise", s=serialise_s(checkpoint_state(model, opt, step, pad)))
             t0 = time.perf_counter()
             d = tempfile.mkdtemp(prefix="bench-ckpt-")
             if rank == 0:
@@ -198,8 +205,6 @@ def run_loop(config: dict, api: Api) -> None:
             report_s.append(time.perf_counter() - t0)
     if report_s:
         ev.emit("reports", durations=report_s)
-    if config.get("serialise") and rank == 0:
-        ev.emit("serialise", s=serialise_s(checkpoint_state(model, opt, config["steps"], pad)))
     ev.emit("end")
 
 
