@@ -7,7 +7,8 @@ which the previous committed checkpoint is still the one a restore finds:
      `dir_name` carries the attempt, so a directory never mixes files from two attempts;
   2. the manifest (files, sizes, sha256) is written last inside the directory: a single PUT;
   3. the run state now references the checkpoint (and no longer references any that
-     retention drops): one atomic write. This is the commit point;
+     retention drops): one atomic write. This is the commit point. When the head overflows
+     (`num_to_keep=None` only), a sealed index chunk is written just before it (see `_seal`);
   4. only then are dropped checkpoints deleted. A crash here leaves orphan directories,
      never a run state that points at a deleted checkpoint.
 """
@@ -21,7 +22,7 @@ from typing import Any, Optional
 
 from .checkpoint import MANIFEST
 from .config import CheckpointConfig
-from .run_state import CheckpointEntry, RunState, RunStore, now
+from .run_state import INDEX_CHUNK, CheckpointEntry, RunState, RunStore, now
 from .storage import FileInfo, Storage
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint_\d{6,}-a\d+-[0-9a-f]+$")
@@ -51,8 +52,15 @@ def retained(entries: list[CheckpointEntry], latest: str, cfg: CheckpointConfig)
 
 
 class CheckpointManager:
-    def __init__(self, storage: Storage, store: RunStore, cfg: CheckpointConfig):
+    def __init__(
+        self,
+        storage: Storage,
+        store: RunStore,
+        cfg: CheckpointConfig,
+        index_chunk: int = INDEX_CHUNK,
+    ):
         self.storage, self.store, self.cfg = storage, store, cfg
+        self.index_chunk = index_chunk  # entries per sealed chunk; a test may lower it
 
     def commit(
         self,
@@ -84,6 +92,7 @@ class CheckpointManager:
         keep = set(retained(candidates, dir_name, self.cfg))
         dropped = [e.dir_name for e in candidates if e.dir_name not in keep]
         state.checkpoints = [e for e in candidates if e.dir_name in keep]
+        self._seal(state)
         state.latest = dir_name
         state.report_index = report_index
         self.store.save(state)
@@ -93,9 +102,28 @@ class CheckpointManager:
             self.storage.delete_dir(f"{run}/{name}")
         return dropped
 
+    def _seal(self, state: RunState) -> None:
+        """While the head holds more than `index_chunk` entries, move its oldest `index_chunk`
+        into the next sealed chunk (more than one only for a head written by schema 1). Only
+        entries retention can never drop may be sealed: with `num_to_keep=None` that is all of
+        them; with `num_to_keep` set the head stays bounded by it, so nothing is sealed. (A run
+        that sealed and is resumed with `num_to_keep` set keeps its sealed checkpoints:
+        retention only ranks the head's.)
+
+        Crash ordering: chunks are written before the head that counts them. A crash in between
+        leaves the previous head, which does not count them; the next commit seals the same
+        entries under the same chunk names, overwriting them."""
+        if self.cfg.num_to_keep is not None:
+            return
+        while len(state.checkpoints) > self.index_chunk:
+            self.store.write_chunk(state.sealed_chunks, state.checkpoints[: self.index_chunk])
+            state.checkpoints = state.checkpoints[self.index_chunk :]
+            state.sealed_chunks += 1
+
     def collect_orphans(self, state: RunState) -> list[str]:
-        """Delete checkpoint directories the run state does not reference (crash leftovers)."""
-        referenced = {e.dir_name for e in state.checkpoints}
+        """Delete checkpoint directories the run state does not reference (crash leftovers).
+        Reads the sealed chunks too: a sealed checkpoint is referenced, never an orphan."""
+        referenced = {e.dir_name for e in self.store.all_checkpoints(state)}
         orphans = [
             n
             for n in self.storage.list_dir(self.store.name)

@@ -1,4 +1,5 @@
-"""`TrainResult`: what a run produced, rebuilt from the run state alone (no Prefect needed)."""
+"""`TrainResult`: what a run produced, rebuilt from the run state alone (no Prefect needed).
+Unlike a rerun, it reads the whole checkpoint index (the head and its sealed chunks)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class TrainResult:
         def ckpt(dir_name: str) -> Checkpoint:
             return Checkpoint(storage.uri(f"{state.name}/{dir_name}"), storage.options)
 
-        entries = list(state.checkpoints)
+        entries = RunStore(storage, state.name).all_checkpoints(state)
         if cfg is not None and cfg.checkpoint_score_attribute is not None:
             entries.sort(key=lambda e: (_score(e, cfg), e.report_index))
         latest = state.latest_entry()

@@ -16,9 +16,11 @@ from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.config import CheckpointConfig
 from ft_train.errors import StorageError
 from ft_train.run_state import (
+    INDEX_DIR,
     SCHEMA_VERSION,
     STATE_FILE,
     AttemptRecord,
+    CheckpointEntry,
     FailureRecord,
     RunState,
     RunStore,
@@ -105,6 +107,48 @@ def test_run_state_is_plain_json(storage):
     doc = json.loads(fresh(storage).read_bytes(f"plain/{STATE_FILE}"))
     assert doc["schema_version"] == SCHEMA_VERSION
     assert doc["failures"][0]["kind"] == "hang"
+
+
+def test_a_schema_1_document_with_every_checkpoint_in_it_loads_and_goes_on(storage, tmp_path):
+    """Schema 1 (before sealed chunks) kept every retained checkpoint in the one document. It
+    reads as a head with no sealed chunks; its next commits seal, and nothing is lost."""
+    name, n = "schema-1", 10
+    storage_ = fresh(storage)
+    entries = [CheckpointEntry(dir_name=checkpoint_dir_name(i, 0, ATTEMPT_ID), report_index=i,
+                               metrics={"step": i}) for i in range(1, n + 1)]
+    doc = RunState(name=name, checkpoints=entries, latest=entries[-1].dir_name,
+                   report_index=n).model_dump(mode="json")
+    del doc["sealed_chunks"]
+    doc["schema_version"] = 1
+    storage_.write_atomic(f"{name}/{STATE_FILE}", json.dumps(doc).encode())
+
+    state = RunStore(fresh(storage), name).load()
+    assert state.sealed_chunks == 0 and state.checkpoints == entries
+    assert state.latest_entry().report_index == n
+    assert RunStore(fresh(storage), name).all_checkpoints(state) == entries
+
+    manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
+                                index_chunk=4)
+    dir_name = checkpoint_dir_name(n + 1, 1, ATTEMPT_ID)
+    manager.commit(state, dir_name, n + 1, {"step": n + 1}, {}, attempt=1)
+    saved = RunStore(fresh(storage), name).load()
+    assert saved.schema_version == SCHEMA_VERSION and saved.sealed_chunks == 2  # 8 sealed at once
+    assert [e.report_index for e in saved.checkpoints] == [9, 10, 11]
+    result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
+    assert [m["step"] for _, m in result.best_checkpoints] == list(range(1, n + 2))
+    assert result.checkpoint.path.endswith(f"/{dir_name}")
+
+
+def test_a_missing_sealed_chunk_gives_a_clear_storage_error(storage):
+    name = "lost-chunk"
+    storage_ = fresh(storage)
+    RunStore(storage_, name).save(RunState(name=name, sealed_chunks=2))
+    RunStore(storage_, name).write_chunk(0, [CheckpointEntry(dir_name="c1", report_index=1)])
+    state = RunStore(fresh(storage), name).load()  # the head alone loads
+    with pytest.raises(StorageError, match=f"{INDEX_DIR}/000001.json is missing"):
+        RunStore(fresh(storage), name).all_checkpoints(state)
+    with pytest.raises(StorageError, match="is missing"):
+        ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
 
 
 # -- TrainResult.from_path ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ After a crash, a fresh `Storage` and `RunStore` play the rerun: they see only wh
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,13 +23,20 @@ from typing import Any, Optional
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from ft_train import driver
+from ft_train import TrainResult, driver
 from ft_train.checkpoint import MANIFEST, Checkpoint
 from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.controller.rounds import ReportRounds
 from ft_train.errors import StorageError
-from ft_train.run_state import SCHEMA_VERSION, STATE_FILE, CheckpointEntry, RunState, RunStore
+from ft_train.run_state import (
+    INDEX_DIR,
+    SCHEMA_VERSION,
+    STATE_FILE,
+    CheckpointEntry,
+    RunState,
+    RunStore,
+)
 from ft_train.session import RankSpec, Session
 from ft_train.storage import Storage, local_files
 
@@ -498,20 +506,33 @@ class CountingStorage(Storage):
         return super().list_dir(path)
 
 
+def commit_tiny(storage: Storage, manager: CheckpointManager, state: RunState, index: int,
+                attempt: int = 0, attempt_id: str = ATTEMPT_0) -> str:
+    """A checkpoint of one tiny file: the rank's upload, then the driver's commit."""
+    dir_name = checkpoint_dir_name(index, attempt, attempt_id)
+    storage.write_atomic(f"{state.name}/{dir_name}/w.pt", b"w")
+    files = {"w.pt": {"size": 1, "sha256": hashlib.sha256(b"w").hexdigest()}}
+    manager.commit(state, dir_name, index, {"step": index}, files, attempt)
+    return dir_name
+
+
 def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_path, monkeypatch):
     storage_ = fresh(storage)
     for name, n in (("few", 3), ("many", 60)):
         state = RunState(name=name)
-        manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig())
+        # Keep all, in chunks of 8: "many" has 7 sealed chunks and 4 entries in the head.
+        manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
+                                    index_chunk=8)
         for i in range(1, n + 1):
-            dir_name = checkpoint_dir_name(i, 0, ATTEMPT_0)
-            storage_.write_atomic(f"{name}/{dir_name}/w.pt", b"w")
-            manager.commit(state, dir_name, i, {"step": i}, {"w.pt": {"size": 1, "sha256": ""}}, 0)
-        assert len(load(storage, name).checkpoints) == n
+            commit_tiny(storage_, manager, state, i)
+    assert load(storage, "many").sealed_chunks == 7
 
     counts = {}
-    for name in ("few", "many"):
+    for name, n in (("few", 3), ("many", 60)):
         calls: Counter = Counter()
+        assert RunStore(CountingStorage(storage.path, storage.options, calls), name).load()
+        assert calls["read_bytes"] == 1, calls  # the head, and not one chunk
+        calls.clear()
         monkeypatch.setattr(driver, "Storage", lambda url, options=None, c=calls:
                             CountingStorage(url, options, c))
         plan = driver.prepare_run(
@@ -520,13 +541,120 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
             log=lambda msg: None,
         )
         assert isinstance(plan.storage, CountingStorage)  # the counter saw the driver's storage
-        assert plan.state.latest == checkpoint_dir_name(len(plan.state.checkpoints), 0, ATTEMPT_0)
+        assert plan.state.latest == checkpoint_dir_name(n, 0, ATTEMPT_0)
         counts[name] = calls
 
     assert counts["few"] == counts["many"], counts
     assert counts["many"]["read_bytes"] == 1
     assert counts["many"]["list_dir"] == 0
     assert not {c for c in counts["many"] if c.removeprefix("fs.") in LISTING}, counts["many"]
+
+
+# -- the sealed checkpoint index: a head of bounded size, older entries in immutable chunks --------
+
+
+def chunk_names(target, name: str) -> set[str]:
+    return set(fresh(target).list_dir(f"{name}/{INDEX_DIR}"))
+
+
+def test_keep_all_seals_old_entries_and_every_reader_of_the_full_list_sees_them(storage, tmp_path):
+    name, n, chunk = "sealed", 45, 8
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
+                                index_chunk=chunk)
+    names = []
+    for i in range(1, n + 1):
+        names.append(commit_tiny(storage_, manager, state, i))
+        head = load(storage, name)
+        assert 1 <= len(head.checkpoints) <= chunk and head.latest == names[-1]
+        assert head.latest_entry().report_index == i
+    assert head.sealed_chunks == 5  # 40 sealed, 5 in the head
+    assert [e.dir_name for e in head.checkpoints] == names[40:]
+    assert chunk_names(storage, name) == {f"{k:06d}.json" for k in range(5)}
+
+    store = RunStore(fresh(storage), name)
+    assert [e.dir_name for e in store.all_checkpoints(head)] == names
+    result = TrainResult.from_path(storage.path, name, storage_options=storage.options)
+    assert [c.path.rsplit("/", 1)[1] for c, _ in result.best_checkpoints] == names
+    assert [m["step"] for _, m in result.best_checkpoints] == list(range(1, n + 1))
+    scored = TrainResult.from_path(storage.path, name, storage_options=storage.options,
+                                   checkpoint_config=CheckpointConfig(
+                                       checkpoint_score_attribute="step",
+                                       checkpoint_score_order="min"))
+    assert scored.best_checkpoints[-1][0].path.endswith(names[0])  # sealed, and the best
+
+    # A crash leftover next to 45 committed checkpoints, 40 of them only in sealed chunks.
+    orphan = checkpoint_dir_name(46, 1, ATTEMPT_1)
+    storage_.write_atomic(f"{name}/{orphan}/w.pt", b"lost")
+    assert manager.collect_orphans(load(storage, name)) == [orphan]
+    assert stored_names(storage, name) == set(names) | {STATE_FILE, INDEX_DIR}
+    assert restore(storage, name, names[0], tmp_path) == {"w.pt": b"w"}
+
+
+@pytest.mark.parametrize("crash_at", [2, 3, 4, None])
+def test_crash_between_sealing_a_chunk_and_the_head_leaves_a_consistent_run(storage, tmp_path,
+                                                                           crash_at):
+    """The save that overflows the head writes: the rank's file (call 1), the manifest (2), the
+    sealed chunk (3), the head (4). A crash at 2, 3 or 4 leaves the previous head, which does not
+    count the chunk; the rerun's next commit seals the same entries under the same chunk name."""
+    name, chunk = f"seal-crash-{crash_at}", 4
+    cfg = CheckpointConfig()
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    manager = CheckpointManager(storage_, RunStore(storage_, name), cfg, index_chunk=chunk)
+    names = [commit_tiny(storage_, manager, state, i) for i in range(1, chunk + 1)]
+
+    faulty = FaultyStorage(storage.path, storage.options, crash_at=crash_at)
+    crashing = CheckpointManager(faulty, RunStore(faulty, name), cfg, index_chunk=chunk)
+    try:
+        fifth = commit_tiny(faulty, crashing, state, chunk + 1)
+        assert crash_at is None
+    except Crash:
+        assert crash_at is not None
+    if crash_at is None:
+        assert faulty.log[1:] == [
+            ("write", f"{name}/{fifth}/{MANIFEST}"),
+            ("write", f"{name}/{INDEX_DIR}/000000.json"),  # the chunk, before the head
+            ("write", f"{name}/{STATE_FILE}"),  # the commit point
+        ]
+        names.append(fifth)
+
+    after = load(storage, name)
+    assert after.latest == names[-1]
+    assert after.sealed_chunks == (1 if crash_at is None else 0)
+    assert [e.dir_name for e in RunStore(fresh(storage), name).all_checkpoints(after)] == names
+    assert chunk_names(storage, name) == ({"000000.json"} if crash_at in (4, None) else set())
+
+    # The rerun: resumes from what storage holds, commits, and collects the crash leftovers.
+    rerun = CheckpointManager(fresh(storage), RunStore(fresh(storage), name), cfg,
+                              index_chunk=chunk)
+    names.append(commit_tiny(fresh(storage), rerun, after, after.report_index + 1, 1, ATTEMPT_1))
+    resumed = load(storage, name)
+    assert resumed.sealed_chunks == 1
+    assert [e.dir_name for e in RunStore(fresh(storage), name).all_checkpoints(resumed)] == names
+    assert rerun.collect_orphans(resumed) == ([] if crash_at is None else
+                                             [checkpoint_dir_name(chunk + 1, 0, ATTEMPT_0)])
+    assert stored_names(storage, name) == set(names) | {STATE_FILE, INDEX_DIR}
+
+
+def test_retention_with_num_to_keep_never_seals(storage):
+    name = "keep-2-no-seal"
+    cfg = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="acc")
+    storage_ = fresh(storage)
+    state = RunState(name=name)
+    manager = CheckpointManager(storage_, RunStore(storage_, name), cfg, index_chunk=1)
+    names = []
+    for i, acc in enumerate([0.5, 0.9, 0.1, 0.7, 0.2, 0.3], start=1):
+        dir_name = checkpoint_dir_name(i, 0, ATTEMPT_0)
+        storage_.write_atomic(f"{name}/{dir_name}/w.pt", b"w")
+        manager.commit(state, dir_name, i, {"acc": acc}, {"w.pt": {"size": 1, "sha256": ""}}, 0)
+        names.append(dir_name)
+    saved = load(storage, name)
+    assert saved.sealed_chunks == 0 and INDEX_DIR not in stored_names(storage, name)
+    kept = {names[1], names[3], names[5]}  # the best two (0.9, 0.7), and the latest
+    assert {e.dir_name for e in saved.checkpoints} == kept
+    assert stored_names(storage, name) == kept | {STATE_FILE}
 
 
 # -- crash leftovers, damage, and refusal ----------------------------------------------------------
