@@ -7,9 +7,12 @@ strings, so it crosses process boundaries whatever the user raised.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
+import logging
 import socket
+import threading
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Union
@@ -18,6 +21,8 @@ from . import session as _session
 from .errors import ConfigError, RankFailure, SessionError, TrainLoopImportError
 from .preemption import GroupStop
 from .session import RankSpec, Session
+
+logger = logging.getLogger("ft_train")
 
 
 def load_train_loop(train_loop: Union[str, Callable]) -> Callable:
@@ -58,12 +63,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dask_sender(topic: str) -> Callable[[dict], None]:
-    """Reports travel as Dask events: batched, non-blocking, delivered to the driver's client."""
-    from distributed import get_worker
+class DaskSender:
+    """Reports travel as Dask events to the driver's client, batched.
 
-    worker = get_worker()
-    return lambda msg: worker.log_event(topic, msg)
+    The rank's thread only appends a message to a queue; the worker's event loop hands the queue
+    to `Worker.log_event` every `interval_s`. Calling `log_event` from the rank's thread instead
+    wakes the event loop on every report, which cost the rank ~0.1 ms a call. `close()` hands over
+    what is left and returns once the event loop has taken it, before the rank's task returns."""
+
+    def __init__(self, topic: str, interval_s: float = 0.005):
+        from distributed import get_worker
+        from tornado.ioloop import PeriodicCallback
+
+        self.worker, self.topic = get_worker(), topic
+        self.queue: "collections.deque[dict]" = collections.deque()
+        self._timer = PeriodicCallback(self._flush, interval_s * 1000)
+        self.worker.loop.add_callback(self._timer.start)
+
+    def __call__(self, msg: dict) -> None:
+        self.queue.append(msg)  # thread-safe; also called by the upload thread
+
+    def _flush(self) -> None:  # on the worker's event loop
+        while self.queue:
+            self.worker.log_event(self.topic, self.queue.popleft())
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        handed_over = threading.Event()
+
+        def last_flush() -> None:
+            self._timer.stop()
+            self._flush()
+            handed_over.set()
+
+        self.worker.loop.add_callback(last_flush)
+        if not handed_over.wait(timeout_s):  # the event loop is blocked: nothing more to do
+            logger.warning("ft-train: %d reports may not reach the driver", len(self.queue))
 
 
 def _init_process_group(spec: RankSpec) -> None:
@@ -86,7 +120,8 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
     """The Dask task of one rank. Returns a summary; raises RankFailure if the function raised."""
     import torch.distributed as dist
 
-    session = Session(spec, send or dask_sender(spec.topic))
+    sender = DaskSender(spec.topic) if send is None else None
+    session = Session(spec, send or sender)
     _session.install(session)
     try:
         fn = load_train_loop(spec.train_loop)
@@ -94,9 +129,10 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         session.control = dist.new_group(backend="gloo")  # all ranks, in the same order
         session.send({"rank": spec.rank, "started": True})  # the hang watchdog starts here
         call_train_loop(fn, spec.config)
-        session.finish()
+        session.finish()  # waits for the pending uploads
         return {"rank": spec.rank, "reports": session.report_index}
     except GroupStop:  # the driver stopped the group (to resize it); this process stays
+        session.stopped()
         return {"rank": spec.rank, "reports": session.report_index, "stopped": True}
     except BaseException as e:  # every failure of the user function becomes a RankFailure
         tb = traceback.format_exc(limit=-20)
@@ -105,6 +141,9 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         fatal = isinstance(e, (ConfigError, SessionError))
         raise RankFailure(spec.rank, session.report_index, error, tb, fatal) from None
     finally:
+        session.close()  # drops uploads still pending (none after a clean finish)
         _session.install(None)
+        if sender is not None:
+            sender.close()  # the last reports are on their way before the task's result
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,18 +1,31 @@
 """The worker-side API: `get_context()`, `get_checkpoint()`, `report()`.
 
 A rank runs the user's training function inside a `Session`, installed for the duration of the
-call. `report()` uploads a checkpoint's files (if one is attached) into a directory named after
-the report index and the attempt, then sends one small message to the driver and returns: it
-never waits for the driver.
+call. `report()` sends one small message to the driver and returns: it never waits for the
+driver. With a checkpoint attached, the checkpoint's files go into a directory named after the
+report index and the attempt: uploaded before the message is sent (`checkpoint_upload_mode=
+"sync"`, the default), or snapshotted and uploaded in the background, the message following the
+upload (`"async"`, see `ft_train.uploads`).
+
+Every report() also agrees with the other ranks on what they must all learn at the same report
+(a worker's preemption notice, the driver's request to stop, a rank that returned early). That
+agreement is an all-reduce over a small gloo group, started in the background at report k and
+read at report k+1, so a report() does not wait for the slowest rank: what the ranks agree on at
+report k+1 is what they knew when they called their k-th report().
 
 Contract (what the driver relies on):
 - every rank MUST call `report()` the same number of times; round k is rank 0's metrics plus the
   files of every rank that attached a checkpoint in its k-th call;
 - metrics MUST be JSON-serialisable (numbers, strings, lists, dicts; numpy / 0-d tensor scalars
   are converted);
-- after `report()` returns, the checkpoint's local directory may be deleted;
-- `get_preemption_info()` turns non-None at the same report on every rank: a worker is leaving,
-  and a checkpoint reported then is committed before it goes.
+- after `report()` returns, the checkpoint's local directory may be deleted. With
+  `checkpoint_upload_mode="async"` its files MUST NOT be rewritten in place until the upload is
+  done (save each checkpoint into a new directory, or delete a file before writing it again): a
+  file changed during its upload fails the rank;
+- an asynchronous upload that fails raises at the rank's next report(), or when the training
+  function returns; the function's return waits for the uploads still pending;
+- `get_preemption_info()` turns non-None at the same report on every rank: the one after the
+  report at which some rank had notice. A checkpoint reported then is committed before it goes.
 """
 
 from __future__ import annotations
@@ -20,13 +33,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from . import preemption
 from .checkpoint import Checkpoint
 from .checkpoint_manager import checkpoint_dir_name
-from .errors import SessionError
+from .errors import SessionError, StorageError
 from .storage import Storage
+from .uploads import Uploads
 
 
 @dataclass
@@ -106,6 +120,45 @@ def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+UploadMode = Literal["sync", "async"]
+UPLOAD_MODES = ("sync", "async")
+# A group stopped by the driver (a resize) waits this long for its pending uploads to finish, so
+# that the rounds they complete can still be committed; the rest are dropped.
+STOP_FLUSH_S = 10.0
+
+
+class _PendingAgreement:
+    """One report's agreement, all-reduced in the background; read at the next report.
+
+    The flags are those of `preemption.agree` (which the blocking agreement of `finish` uses),
+    with the all-reduce started asynchronously instead of waited for."""
+
+    def __init__(self, control, spec: RankSpec, index: int):
+        import torch
+        import torch.distributed as dist
+
+        w, deadline = spec.world_size, preemption.local_deadline()
+        self.index, self.world_size = index, w
+        flags = [0.0] * (w + 4)  # built as a list: a tensor's item assignments cost ~10 us each
+        flags[w] = float("-inf") if deadline is None else -deadline  # -earliest deadline
+        if deadline is not None:
+            flags[spec.rank] = 1.0
+        flags[w + 1] = 1.0 if preemption._stop_for == spec.attempt_id else 0.0
+        flags[w + 3] = 1.0  # this rank has not finished (flags[w + 2]: one has)
+        self.flags = flags = torch.tensor(flags, dtype=torch.float64)  # all-reduced with MAX
+        self.work = None
+        if w > 1:
+            self.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control, async_op=True)
+
+    def result(self) -> preemption.Agreement:
+        if self.work is not None:
+            self.work.wait()  # also raises the all-reduce's error (a peer lost)
+        w, flags = self.world_size, self.flags.tolist()
+        ranks = tuple(r for r in range(w) if flags[r])
+        info = preemption.PreemptionInfo(ranks, -flags[w]) if ranks else None
+        return preemption.Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3])
+
+
 class Session:
     def __init__(self, spec: RankSpec, send: Callable[[dict], None]):
         self.spec = spec
@@ -114,6 +167,8 @@ class Session:
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
         self.preemption: Optional[preemption.PreemptionInfo] = None
+        self._agreement: Optional[_PendingAgreement] = None  # started at the latest report
+        self._uploads: Optional[Uploads] = None  # created by the first asynchronous upload
 
     def checkpoint(self) -> Optional[Checkpoint]:
         s = self.spec
@@ -121,39 +176,87 @@ class Session:
             return None
         return Checkpoint(s.storage.uri(f"{s.name}/{s.checkpoint_dir}"), s.storage.options)
 
-    def report(self, metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+    def report(
+        self,
+        metrics: dict[str, Any],
+        checkpoint: Optional[Checkpoint] = None,
+        checkpoint_upload_mode: UploadMode = "sync",
+    ) -> None:
         metrics = _jsonable(metrics)
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             raise SessionError("report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)")
+        if checkpoint_upload_mode not in UPLOAD_MODES:
+            raise SessionError(
+                f"report(checkpoint_upload_mode={checkpoint_upload_mode!r}): choose 'sync' (upload "
+                "before report() returns) or 'async' (upload in the background)"
+            )
+        if self._uploads is not None:
+            self._uploads.check()  # an earlier asynchronous upload failed: this rank fails
         self.report_index += 1
-        msg: dict[str, Any] = {"rank": self.spec.rank, "index": self.report_index, "metrics": metrics}
+        msg: dict[str, Any] = {"rank": self.spec.rank, "index": self.report_index}
+        msg["metrics"] = metrics
         if self.control is not None:
-            # Every rank calls this at its k-th report, so all of them learn at the same one.
+            self._agree(msg)
+        if checkpoint is not None:
             s = self.spec
-            agreed = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id)
+            dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
+            msg["dir_name"], remote = dir_name, f"{s.name}/{dir_name}"
+            with checkpoint.as_directory() as local:
+                if checkpoint_upload_mode == "async":
+                    self._uploads_started().submit(local, remote, msg)
+                    return  # the message follows the upload
+                msg["files"] = s.storage.upload_dir(local, remote)
+        self.send(msg)
+
+    def _agree(self, msg: dict[str, Any]) -> None:
+        """Read the agreement started at the previous report (every rank reads the same one at
+        its k-th report, so all of them learn at the same one), and start this report's."""
+        previous, self._agreement = self._agreement, None
+        if previous is not None:
+            agreed = previous.result()
             if agreed.any_finished:
-                raise SessionError(_UNEQUAL.format(self.report_index))
+                raise SessionError(_UNEQUAL.format(previous.index))
             if agreed.stop:
                 raise preemption.GroupStop()
             if agreed.preemption is not None and self.preemption is None:
                 self.preemption = info = agreed.preemption
                 msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
-        if checkpoint is not None:
-            s = self.spec
-            dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
-            with checkpoint.as_directory() as local:
-                msg["files"] = s.storage.upload_dir(local, f"{s.name}/{dir_name}")
-            msg["dir_name"] = dir_name
-        self.send(msg)
+        self._agreement = _PendingAgreement(self.control, self.spec, self.report_index)
 
+    def _uploads_started(self) -> Uploads:
+        if self._uploads is None:
+            self._uploads = Uploads(self.spec.storage, self.send)
+        return self._uploads
 
     def finish(self) -> None:
-        """The training function returned: check with the other ranks that they are done too."""
+        """The training function returned: wait for the uploads still pending, and check with
+        the other ranks that they are done too."""
+        if self._agreement is not None:
+            previous, self._agreement = self._agreement, None
+            if previous.result().any_finished:
+                raise SessionError(_UNEQUAL.format(previous.index))
+        if self._uploads is not None:
+            self._uploads.flush()  # raises a failed upload's error
         if self.control is not None:
             s = self.spec
             agreed = preemption.agree(self.control, s.rank, s.world_size, s.attempt_id, True)
             if not agreed.all_finished:
                 raise SessionError(_UNEQUAL.format(self.report_index + 1))
+
+    def stopped(self) -> None:
+        """The driver stopped the group (GroupStop): give the pending uploads `STOP_FLUSH_S` to
+        finish, so the rounds they complete can still be committed, then drop the rest."""
+        if self._uploads is not None:
+            try:
+                self._uploads.flush(timeout=STOP_FLUSH_S)
+            except StorageError:
+                pass  # that round is lost; the group restarts from a committed checkpoint anyway
+        self.close()
+
+    def close(self) -> None:
+        """The rank is leaving: drop the uploads still pending and remove their snapshots."""
+        if self._uploads is not None:
+            self._uploads.close(timeout=1.0)
 
 
 _UNEQUAL = (
@@ -195,6 +298,15 @@ def get_preemption_info() -> Optional[preemption.PreemptionInfo]:
     return _current().preemption
 
 
-def report(metrics: dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
-    """Report this step's metrics, optionally with a checkpoint. See the module docstring."""
-    _current().report(metrics, checkpoint)
+def report(
+    metrics: dict[str, Any],
+    checkpoint: Optional[Checkpoint] = None,
+    checkpoint_upload_mode: UploadMode = "sync",
+) -> None:
+    """Report this step's metrics, optionally with a checkpoint. See the module docstring.
+
+    `checkpoint_upload_mode`: "sync" uploads the checkpoint before report() returns; "async"
+    snapshots its directory (hard links) and uploads it in the background, at most two at a
+    time (report() waits beyond that). Either way the checkpoint is committed only once every
+    file of its round is stored."""
+    _current().report(metrics, checkpoint, checkpoint_upload_mode)
