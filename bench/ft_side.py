@@ -25,6 +25,7 @@ TRAIN_LOOP = "bench.ft_side:train_loop"
 
 class FtApi(Api):
     system = "ft-train"
+    async_owns_dir = False  # report() snapshots the directory; the loop deletes it
 
     def rank(self) -> int:
         return ft_train.get_context().get_world_rank()
@@ -42,10 +43,8 @@ class FtApi(Api):
                 yield d
 
     def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
-        if mode != "sync":
-            raise ValueError("ft-train has only synchronous checkpoint upload")
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ft_train.report(metrics, checkpoint=ckpt)
+        ft_train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=mode)
 
     def wait_committed(self, config: dict, step: int) -> None:
         """ft-train has no worker-side call for it: poll the stored run state (bounded)."""
@@ -224,56 +223,64 @@ def checkpoint(p: dict) -> dict:
 
 
 def rehydrate(p: dict) -> dict:
-    """prepare_run (what a rerun does first) against a run state with N committed checkpoints."""
+    """prepare_run (what a rerun does first) against a run with N committed checkpoints.
+
+    The history is built as a run builds it: N commits through `CheckpointManager.commit`
+    (`num_to_keep=None`, so all are kept), each after a rank's upload of one tiny file. So the
+    run state is what N commits leave: the head, plus the sealed checkpoint index when N exceeds
+    `INDEX_CHUNK`. Not measured; only `prepare_run` is."""
     import gc
     import statistics
 
-    from ft_train.checkpoint import MANIFEST
-    from ft_train.checkpoint_manager import checkpoint_dir_name
+    from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
     from ft_train.driver import prepare_run
     from ft_train.rank import load_train_loop
-    from ft_train.run_state import AttemptRecord, CheckpointEntry, RunState, RunStore
+    from ft_train.run_state import AttemptRecord, RunState, RunStore
     from ft_train.storage import Storage
 
     path, opts = storage_target(p)
+    local = os.path.join(p["workdir"], "ckpt")
+    os.makedirs(local, exist_ok=True)
+    with open(os.path.join(local, "w.pt"), "wb") as f:
+        f.write(b"w" * 64)
     out = {}
     for n in p["ns"]:
         name = f"rehydrate-{n}"
         storage = Storage(path, opts)
         store = RunStore(storage, name)
         attempt_id = uuid.uuid4().hex
-        entries = [
-            CheckpointEntry(dir_name=checkpoint_dir_name(i, 0, attempt_id), report_index=i,
-                            metrics={"step": i, "loss": 1.0 / i, "t": time.time()})
-            for i in range(1, n + 1)
-        ]
-        state = RunState(
-            name=name, status="interrupted", checkpoints=entries, latest=entries[-1].dir_name,
-            report_index=n, attempts=[AttemptRecord(attempt=0, attempt_id=attempt_id, world_size=2)],
-        )
-        if storage.is_local:  # the directories exist, as in a real run (a rerun never lists them)
-            for e in entries:
-                d = storage.full(f"{name}/{e.dir_name}")
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, MANIFEST), "w") as f:
-                    json.dump({"dir_name": e.dir_name, "files": {}}, f)
+        state = RunState(name=name, attempts=[AttemptRecord(attempt=0, attempt_id=attempt_id,
+                                                            world_size=2)])
         store.save(state)
-        latest = entries[-1].dir_name
-        del entries, state  # a rerun starts with none of it in memory
+        manager = CheckpointManager(storage, store, ft_train.CheckpointConfig(num_to_keep=None))
+        for i in range(1, n + 1):
+            dir_name = checkpoint_dir_name(i, 0, attempt_id)
+            files = storage.upload_dir(local, f"{name}/{dir_name}")  # what report() uploads
+            manager.commit(state, dir_name, i, {"step": i, "loss": 1.0 / i, "t": time.time()},
+                           files, attempt=0)
+        state.status = "interrupted"  # the driver stopped; the rerun resumes it
+        store.save(state)
+        latest, head_entries, sealed = state.latest, len(state.checkpoints), state.sealed_chunks
+        del state, manager  # a rerun starts with none of it in memory
+        # Nor with the N commits' writes still being flushed to disk: the fsync of prepare_run's
+        # save would pay for them. A rerun comes after the previous driver has stopped.
+        os.sync()
         raw = storage.read_bytes(store.path)
         times = []
         run_config = ft_train.RunConfig(name=name, storage_path=path, storage_options=opts)
         load_train_loop(TRAIN_LOOP)  # importing the training function is not finding the state
         for _ in range(p["repeat"]):
-            storage.write_atomic(store.path, raw)  # the same document each time
+            storage.write_atomic(store.path, raw)  # the same head each time
             gc.collect()
             t0 = time.perf_counter()
             plan = prepare_run(TRAIN_LOOP, {}, ft_train.ScalingConfig(num_workers=2), run_config,
                                log=lambda s: None)
             times.append(time.perf_counter() - t0)
             assert plan.state.latest == latest
+        assert len(RunStore(storage, name).all_checkpoints(plan.state)) == n  # not measured
         out[str(n)] = {"median_s": statistics.median(times), "min_s": min(times),
-                       "state_bytes": len(raw)}
+                       "state_bytes": len(raw), "head_entries": head_entries,
+                       "sealed_chunks": sealed}
     return {"rehydrate": out}
 
 

@@ -293,8 +293,8 @@ def fig_checkpoint(s: Suite) -> dict:
         for size in sizes:
             key = f"{size // MB} MB {storage}"
             out[key] = {}
-            for system, module, mode in (("ft-train sync", FT, "sync"), ("ray sync", RAY, "sync"),
-                                         ("ray async", RAY, "async")):
+            for system, module, mode in (("ft-train sync", FT, "sync"), ("ft-train async", FT, "async"),
+                                         ("ray sync", RAY, "sync"), ("ray async", RAY, "async")):
                 r = s.child(module, "checkpoint",
                             {"storage": storage, "bytes": size, "mode": mode, "every": 3, "count": count})
                 st = W.stall_stats(r.get("events", []))
@@ -384,14 +384,21 @@ def rows(figs: dict) -> list[dict]:
     if "checkpoint" in figs:
         for key, f in figs["checkpoint"].items():
             ft, rs, ra = f.get("ft-train sync", {}), f.get("ray sync", {}), f.get("ray async", {})
-            ser = ft.get("serialise_s") or rs.get("serialise_s")
+            fa = f.get("ft-train async", {})
+            ser = ft.get("serialise_s") or fa.get("serialise_s") or rs.get("serialise_s")
+            x = lambda st: f"{st / ser:.1f}x serialise" if st and ser else "n/a"  # noqa: E731
             row(f"checkpoint stall {key}, sync upload", "s", ft.get("stall_s"), rs.get("stall_s"), "", None,
                 f"serialise (torch.save to BytesIO) {_f(ser, 's')}; ft-train sync = "
-                + (f"{ft['stall_s'] / ser:.1f}x serialise" if ft.get("stall_s") and ser else "n/a"))
-            row(f"checkpoint stall {key}, async upload", "s", None, ra.get("stall_s"),
-                "<= 1.2x serialise", False,
-                "ft-train has no async upload (its stall is the sync one above); Ray async = "
-                + (f"{ra['stall_s'] / ser:.1f}x serialise" if ra.get("stall_s") and ser else "n/a"))
+                + x(ft.get("stall_s")))
+            fa_ser = fa.get("serialise_s") or ser  # the same run's reference where there is one
+            ratio = fa["stall_s"] / fa_ser if fa.get("stall_s") and fa_ser else None
+            row(f"checkpoint stall {key}, async upload", "s", fa.get("stall_s"), ra.get("stall_s"),
+                "<= 1.2x serialise", cmp(ratio, 1.2),
+                f"serialise {_f(fa_ser, 's')} (same run); ft-train async = "
+                + (f"{ratio:.2f}x serialise" if ratio else "n/a")
+                + (f" (save {fa['save_s']:.3g} s + report() {fa['report_s'] * 1e3:.2g} ms"
+                   f" + delete {fa['cleanup_s'] * 1e3:.2g} ms)" if fa.get("stall_s") else "")
+                + "; Ray async = " + x(ra.get("stall_s")))
     if "rehydrate" in figs:
         for storage, f in figs["rehydrate"].items():
             ft, ray = f.get("ft-train", {}), f.get("ray", {})

@@ -65,6 +65,10 @@ class Api:
     """What differs between the systems. Every method is called on every rank."""
 
     system = "none"
+    # With mode "async", whether report() takes the checkpoint directory over and deletes it
+    # (Ray); if not (ft-train), the loop deletes it after report() returns, as with "sync"
+    # (timed as cleanup, part of the stall).
+    async_owns_dir = True
 
     def rank(self) -> int:
         raise NotImplementedError
@@ -77,7 +81,7 @@ class Api:
         raise NotImplementedError
 
     def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
-        """mode: "sync" or "async" (where the system has it). With "async" the system owns and
+        """mode: "sync" or "async". With "async" and `async_owns_dir` the system owns and
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
 
@@ -194,7 +198,7 @@ def run_loop(config: dict, api: Api) -> None:
             t1 = time.perf_counter()
             api.report(metrics, d if rank == 0 else None, mode)
             t2 = time.perf_counter()
-            if mode != "async" or rank != 0:
+            if not (mode == "async" and api.async_owns_dir and rank == 0):
                 shutil.rmtree(d, ignore_errors=True)
             t3 = time.perf_counter()
             ev.emit("ckpt", step=step, save_s=t1 - t0, report_s=t2 - t1, cleanup_s=t3 - t2,
