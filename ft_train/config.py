@@ -173,7 +173,8 @@ class ClusterConfig(_Config):
     n_workers: Optional[int] = Field(
         None,
         ge=1,
-        description="Workers of the local cluster; default: scaling_config.num_workers. "
+        description="Workers of the local cluster; default: scaling_config.num_workers (its "
+        "max), plus one warm spare on CPU that takes a failed rank's place at once. "
         "Ignored with `address`.",
     )
 

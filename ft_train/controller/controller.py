@@ -23,6 +23,7 @@ from ..errors import RankFailure, SessionError, TrainingFailedError, WorkerGroup
 from ..failure_policy import Decision
 from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore
 from ..preemption import PreemptionWatcher
+from ..warm import WarmImports
 from ..worker_group import GroupPlan, WorkerGroup, more_workers_available
 from .rounds import ReportRounds, Round
 from .state import Errored, Finished, Idle, Running
@@ -81,7 +82,7 @@ class Controller:
         self.collateral: Optional[tuple[int, RankFailure, float]] = None
         self.preempting: Optional[Preempting] = None
         self.resizing = False
-        self._watching_preemption = False
+        self._plugins_installed = False
         self._last_progress_log = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
@@ -153,9 +154,10 @@ class Controller:
         self.done = {}
         self.collateral = None
         self.resizing = False
-        if not self._watching_preemption:  # on every worker, and on those that join later
+        if not self._plugins_installed:  # on every worker, and on those that join later
             self.client.register_plugin(PreemptionWatcher(self.failure_config.preemption_grace_s))
-            self._watching_preemption = True
+            self.client.register_plugin(WarmImports())
+            self._plugins_installed = True
         group.start(self.plan, self.state.latest, self.state.report_index, self.dead_workers)
         self.rounds = ReportRounds(len(group.addresses), self.state.report_index)
         self.state.attempts.append(
