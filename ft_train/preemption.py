@@ -1,8 +1,11 @@
-"""Preemption: a worker told to leave (SIGTERM) gives its ranks notice before it goes.
+"""Preemption: a worker told to leave gives its ranks notice before it goes.
 
 The `PreemptionWatcher` worker plugin replaces the worker's SIGTERM handler: instead of closing
 at once, the worker notes a deadline (now + grace), tells the driver, and closes itself at the
-deadline unless the driver has released it sooner. Every rank learns of the notice at the same
+deadline unless the driver has released it sooner. A worker retired through the scheduler
+(`Client.retire_workers`) gets the same notice: the driver sends it when the scheduler reports
+the worker's removal, and the plugin's teardown keeps the closing worker's process until its
+rank has left or the notice runs out. Every rank learns of the notice at the same
 `report()` boundary: each report all-reduces the ranks' local notices over a small gloo group,
 so the training function can save a just-in-time checkpoint that is committed before the worker
 leaves. The restart that follows is charged to `max_preemption_failures`, not `max_failures`.
@@ -39,6 +42,13 @@ class GroupStop(BaseException):
     training function's `except Exception` does not swallow it."""
 
 
+def give_notice(deadline: float) -> None:
+    """Run on a worker (also by Client.run): its ranks learn at their next report() that this
+    worker leaves by `deadline` (epoch seconds)."""
+    global _deadline
+    _deadline = deadline if _deadline is None else min(_deadline, deadline)
+
+
 def request_stop(attempt_id: str) -> None:
     """Run on a worker (Client.run): its rank leaves at its next report()."""
     global _stop_for
@@ -68,9 +78,8 @@ class PreemptionWatcher(WorkerPlugin):
     def setup(self, worker) -> None:
         def on_sigterm(signum, frame) -> None:
             # A signal handler: no logging here; hand the work to the event loop.
-            global _deadline
             if _deadline is None:
-                _deadline = time.time() + self.grace_s
+                give_notice(time.time() + self.grace_s)
                 worker.loop.add_callback(self._notice, worker, _deadline)
 
         try:
@@ -78,12 +87,21 @@ class PreemptionWatcher(WorkerPlugin):
         except ValueError:  # not the main thread (an in-process worker): no notice possible
             logger.debug("cannot watch SIGTERM on worker %s", worker.address)
 
-    def teardown(self, worker) -> None:
-        """The worker is closing (retired, or its notice ran out). A rank still running in this
-        process could never report again, and would hold its peers in their collectives: end
-        the process, so they see the closed connection and stop on their own."""
+    async def teardown(self, worker) -> None:
+        """The worker is closing: retired (`Client.retire_workers`), or its notice ran out.
+        A rank still running here gets the same notice as on SIGTERM, and the process stays
+        until the rank has left or the notice runs out (Dask waits for this teardown before it
+        stops the worker). A rank still running then could never report again and would hold
+        its peers in their collectives: end the process, so they see the closed connection."""
         from . import session
 
+        if session._session is None:
+            return
+        if _deadline is None:
+            give_notice(time.time() + self.grace_s)
+            worker.log_event(TOPIC, {"worker": worker.address, "deadline": _deadline})
+        while session._session is not None and time.time() < _deadline:
+            await asyncio.sleep(0.02)
         if session._session is not None:
             os._exit(0)
 

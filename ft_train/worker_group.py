@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Collection, Union
 
 import dask
 from distributed import Client
@@ -196,25 +196,25 @@ class WorkerGroup:
         self._unsubscribe()
         self.futures = []
 
-    def stop(self, grace_s: float = 0.0, failed: str | None = None) -> set[str]:
+    def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
         """Stop every rank. Returns the addresses of workers killed or lost (not to be reused).
 
-        `failed` is the worker of a rank that raised. Its process still holds the rank's
-        collective connections (they close only when the process exits), so it is killed
-        first; the other ranks then fail on their own at once, as gloo sees the closed
-        connections. Ranks that have not ended within `grace_s` are stuck (e.g. in a collective
-        whose peer vanished without a word): their processes are killed too. A killed worker's
-        nanny starts a fresh one; workers whose rank ended keep their process (and its imported
-        torch) for the next attempt.
+        `kill_first`: the worker of a rank that raised or hung, or workers leaving after a
+        notice. Their processes still hold the ranks' collective connections (they close only
+        when the process exits), so they are killed first; the other ranks then fail on their
+        own at once, as gloo sees the closed connections. Ranks that have not ended within
+        `grace_s` are stuck (e.g. in a collective whose peer vanished without a word): their
+        processes are killed too. A killed worker's nanny starts a fresh one; workers whose rank
+        ended keep their process (and its imported torch) for the next attempt.
         """
         if self.stopped:
             return set()
         self.stopped = True
         self._unsubscribe()
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        killed = {failed} & alive
+        killed = set(kill_first)
         if killed:
-            self.kill(list(killed))
+            self.kill(list(killed), only_known=False)
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
         # A rank whose worker is gone never ends: its task waits for that worker in vain.
         running = [(a, f) for a, f in zip(self.addresses, self.futures) if a in alive - killed]
         deadline = time.monotonic() + grace_s
@@ -227,11 +227,19 @@ class WorkerGroup:
         self.futures = []
         return set(stuck) | killed | (set(self.addresses) - alive)
 
-    def kill(self, addresses: list[str]) -> None:
+    def give_notice(self, address: str, deadline: float) -> None:
+        """Tell a worker's ranks that it leaves by `deadline`: for a worker the scheduler has
+        already let go (retired), whose process still runs a rank."""
+        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
+            self.client.run(preemption.give_notice, deadline, workers=[address], on_error="ignore")
+
+    def kill(self, addresses: list[str], only_known: bool = True) -> None:
         """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
-        even while a rank's thread is blocked. A worker that is already gone is no error."""
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        addresses = [a for a in addresses if a in alive]
+        even while a rank's thread is blocked. A worker that is already gone is no error.
+        `only_known=False` also reaches workers the scheduler no longer lists (retired ones)."""
+        if only_known:
+            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            addresses = [a for a in addresses if a in alive]
         if not addresses:
             return
         with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):

@@ -203,29 +203,42 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
     assert "-a1-" in state.attempts[2].restored_from
 
 
-def test_a_retired_worker_is_a_preemption_not_a_failure(storage, tmp_path, cluster):
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "removed"])
+def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster, close):
     from flows.train import train
 
-    hold = fault(tmp_path, 0, 7, kind="wait")  # rank 0 (worker w0) holds at step 7
+    # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
+    gate = fault(tmp_path, 0, 7, kind="until_preempted")
+    retired_at = []
 
     def retire_w0():
-        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 0 to reach step 7")
+        wait_for(lambda: os.path.exists(gate["marker"]), 240, "rank 0 to reach step 7")
         with Client(cluster.address, timeout=30) as c:
-            c.retire_workers([cluster.workers()["w0"]], close_workers=True)
+            retired_at.append(time.monotonic())
+            c.retire_workers([cluster.workers()["w0"]], close_workers=close)
 
     import threading
 
     threading.Thread(target=retire_w0, daemon=True).start()
     result = train(
         train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([hold]),
+        train_loop_config=demo_config([gate]),
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(
-            name="retired", storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=0),
+            name=f"retired-{close}", storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=0, preemption_grace_s=120),
         ),
         cluster=ft_train.ClusterConfig(address=cluster.address),
     )
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
+    # as with SIGTERM: every rank learned at the report of step 8, the loop saved a
+    # just-in-time checkpoint (report 9), committed before w0 left, and the run resumed from it
+    state = load_state(storage, f"retired-{close}")
+    jit = state.attempts[1].restored_from
+    assert jit is not None and jit.startswith("checkpoint_000009-a0-")
+    assert result.metrics["resumed_from"] == 8
+    # w0 was let go once the checkpoint was committed, not when its notice ran out
+    assert time.monotonic() - retired_at[0] < 60
+    wait_for(lambda: "w0" not in cluster.workers(), 30, "w0 to leave")

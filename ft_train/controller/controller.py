@@ -38,6 +38,9 @@ STOP_GRACE_S = 3.0
 # is judged after this long, so the failure is charged to its cause when that cause shows up.
 COLLATERAL_WAIT_S = 2.0
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out")
+# Workers given notice leave at their deadline; if the driver has heard nothing by this long
+# after it (a retired worker's process gone without a word), the group is stopped anyway.
+NOTICE_SLACK_S = 1.0
 
 
 def _lost_a_peer(error: str) -> bool:
@@ -190,12 +193,15 @@ class Controller:
             if event[2] in self.phase.group.addresses:
                 self._note_preemption({event[2]}, event[3], boundary=False)
             return None
-        if kind == "worker_lost" and event[3] and self.preempting is None:
-            # Retired on purpose (Client.retire_workers), with no notice the ranks could see:
-            # a preemption without a just-in-time checkpoint.
-            self._note_preemption({event[2]}, time.time(), boundary=False)
         if kind == "worker_lost" and self.preempting and event[2] in self.preempting.workers:
-            self._preempted(self.rounds.last_index, jit=None)
+            self._preempted(self.rounds.last_index, jit=None)  # it left before a checkpoint
+            return None
+        if kind == "worker_lost" and event[3]:
+            # Retired on purpose (Client.retire_workers): the scheduler has let it go, but its
+            # process stays while its rank runs. Give the ranks notice, as SIGTERM would.
+            deadline = time.time() + self.failure_config.preemption_grace_s
+            self.phase.group.give_notice(event[2], deadline)
+            self._note_preemption({event[2]}, deadline, boundary=False)
             return None
         if kind == "worker_lost":
             group = self.phase.group
@@ -215,9 +221,13 @@ class Controller:
         waits = [self._watchdog_remaining()]
         if self.collateral is not None:
             waits.append(max(0.0, self.collateral[2] - time.monotonic()))
+        if self.preempting is not None:
+            waits.append(max(0.0, self.preempting.deadline + NOTICE_SLACK_S - time.time()))
         return min((w for w in waits if w is not None), default=None)
 
     def _on_deadline(self) -> None:
+        if self.preempting is not None and time.time() >= self.preempting.deadline + NOTICE_SLACK_S:
+            self._preempted(self.rounds.last_index, jit=None)  # the notice ran out
         if self.collateral is not None and time.monotonic() >= self.collateral[2]:
             rank, exc, _ = self.collateral
             if self.preempting is not None:  # it lost a peer that was leaving
@@ -349,8 +359,8 @@ class Controller:
         """Stop the group, record the failure, and raise what the failure policy decided."""
         group = self.phase.group
         grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
-        failed = group.addresses[rank] if kind in ("exception", "hang") else None
-        self.dead_workers |= group.stop(grace_s=grace, failed=failed)
+        failed = {group.addresses[rank]} if kind in ("exception", "hang") else set()
+        self.dead_workers |= group.stop(grace_s=grace, kill_first=failed)
         failure = FailureRecord(
             kind=kind,
             rank=rank,
@@ -422,9 +432,10 @@ class Controller:
         committed checkpoint, which is the just-in-time one (`jit`) when the loop saved it."""
         group, leaving = self.phase.group, self.preempting.workers
         self.preempting = None
+        # They go now rather than at their deadline; the other ranks then fail on their own at
+        # once (gloo sees the closed connections) and keep their processes.
         grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
-        self.dead_workers |= group.stop(grace_s=grace) | leaving
-        group.kill(list(leaving))  # they go now rather than at their deadline
+        self.dead_workers |= group.stop(grace_s=grace, kill_first=leaving) | leaving
         ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
         what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
         self.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
@@ -433,7 +444,7 @@ class Controller:
                 kind="preemption",
                 rank=min(ranks, default=None),
                 step=step,
-                error=f"worker(s) {sorted(leaving)} told to leave (SIGTERM); {what}",
+                error=f"worker(s) {sorted(leaving)} told to leave; {what}",
                 attempt=group.attempt,
                 charged=False,
             )
