@@ -15,11 +15,24 @@ class Decision(enum.Enum):
     RAISE = "raise"
 
 
+# A worker group that fails this many times in a row before all of its ranks have joined the
+# process group (rendezvous errors, workers dying at start) ends the run, whatever max_failures
+# says: a restart cannot fix it, and with max_failures=-1 it would loop for ever.
+START_FAILURE_LIMIT = 3
+
+
 def decide(
-    failure: FailureRecord, state: RunState, max_failures: int, max_preemption_failures: int = -1
+    failure: FailureRecord,
+    state: RunState,
+    max_failures: int,
+    max_preemption_failures: int = -1,
+    start_failures: int = 0,
 ) -> Decision:
-    """`state.failures` already holds `failure`. A preemption is judged by its own budget;
-    other uncharged failures (driver events) never RAISE."""
+    """`state.failures` already holds `failure`; `start_failures` counts the groups in a row,
+    this one included, that failed before every rank had started. A preemption is judged by
+    its own budget; other uncharged failures (driver events) never RAISE."""
+    if start_failures >= START_FAILURE_LIMIT:
+        return Decision.RAISE
     if failure.kind == "preemption":
         if max_preemption_failures == -1:
             return Decision.RETRY

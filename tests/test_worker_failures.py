@@ -6,6 +6,8 @@ import os
 import pytest
 
 import ft_train
+from ft_train.run_state import RunStore
+from ft_train.storage import Storage
 from tests.helpers import demo_config, fault, load_state, train_demo
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -120,6 +122,28 @@ def test_errors_no_retry_can_fix_fail_at_once(storage):
         )
     state = load_state(storage, "unequal")
     assert state.failures == [] and len(state.attempts) == 1 and state.status == "failed"
+
+
+def test_a_group_that_keeps_failing_to_start_ends_the_run_even_with_unlimited_failures(
+    tmp_path, monkeypatch
+):
+    from flows.train import train
+
+    # gloo cannot bind to an interface that does not exist: every rank fails in its rendezvous
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ft-no-such-if")  # the local workers inherit it
+    with pytest.raises(ft_train.TrainingFailedError, match="failed to start 3 times in a row"):
+        train(
+            train_loop="tests.loops:report_many",
+            scaling_config=ft_train.ScalingConfig(num_workers=2),
+            run_config=ft_train.RunConfig(
+                name="never-starts", storage_path=str(tmp_path),
+                failure_config=ft_train.FailureConfig(max_failures=-1),
+            ),
+        )
+    state = RunStore(Storage(str(tmp_path)), "never-starts").load()
+    assert state.status == "failed" and len(state.attempts) == 3
+    assert [f.kind for f in state.failures] == ["exception"] * 3
+    assert all("ft-no-such-if" in f.error for f in state.failures)
 
 
 def test_invalid_config_is_refused_before_anything_runs(storage):

@@ -84,6 +84,7 @@ class Controller:
         # (rank, error, deadline): a rank that failed because a peer did, awaiting the cause
         self.collateral: Optional[tuple[int, RankFailure, float]] = None
         self.preempting: Optional[Preempting] = None
+        self.start_failures = 0  # groups in a row that failed before every rank started
         self.resizing = False
         self._plugins_installed = False
         self._last_progress_log = time.monotonic()
@@ -188,6 +189,8 @@ class Controller:
             self.progress[msg["rank"]] = time.monotonic()
             if "index" in msg:  # else the rank's "started": it joined the process group
                 self.rounds.add(msg)
+            elif len(self.progress) == len(self.phase.group.addresses):
+                self.start_failures = 0  # every rank started: the group is up
             return None
         if kind == "preempt_notice":
             if event[2] in self.phase.group.addresses:
@@ -361,6 +364,8 @@ class Controller:
         grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
         failed = {group.addresses[rank]} if kind in ("exception", "hang") else set()
         self.dead_workers |= group.stop(grace_s=grace, kill_first=failed)
+        if len(self.progress) < len(group.addresses):
+            self.start_failures += 1
         failure = FailureRecord(
             kind=kind,
             rank=rank,
@@ -383,10 +388,21 @@ class Controller:
         cfg = self.failure_config
         self.state.failures.append(failure)
         decision = failure_policy.decide(
-            failure, self.state, cfg.max_failures, cfg.max_preemption_failures
+            failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is Decision.RAISE:
             recent = self.state.failures[self.state.budget_start :]
+            if self.start_failures >= failure_policy.START_FAILURE_LIMIT:
+                listed = recent[-self.start_failures :]
+                error = TrainingFailedError(
+                    f"training failed: the worker group failed to start {self.start_failures} "
+                    "times in a row (before every rank had joined the process group); a restart "
+                    "will not fix this: check that the workers can reach each other (firewall, "
+                    f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and their logs. Failures:\n"
+                    f"{failure_policy.describe(listed)}",
+                    [f.model_dump(mode="json") for f in recent],
+                )
+                self._raise(error)
             if failure.kind == "preemption":
                 count = failure_policy.preemptions(self.state)
                 listed = [f for f in recent if f.kind == "preemption"]
@@ -394,18 +410,23 @@ class Controller:
             else:
                 count, listed = self.state.charged_failures, [f for f in recent if f.charged]
                 budget = f"max_failures={cfg.max_failures}"
-            error = TrainingFailedError(
-                f"training failed: {count} failures exceed {budget} "
-                f"(run_config.failure_config.{budget.split('=')[0]}). "
-                f"Failures:\n{failure_policy.describe(listed)}",
-                [f.model_dump(mode="json") for f in recent],
+            self._raise(
+                TrainingFailedError(
+                    f"training failed: {count} failures exceed {budget} "
+                    f"(run_config.failure_config.{budget.split('=')[0]}). "
+                    f"Failures:\n{failure_policy.describe(listed)}",
+                    [f.model_dump(mode="json") for f in recent],
+                )
             )
-            self.state.status, self.state.error = "failed", str(error)
-            self.store.save(self.state)
-            self.phase = Errored(error)
-            raise error
         self.store.save(self.state)
         self.phase = Idle(after_failure=failure)
+
+    def _raise(self, error: TrainingFailedError) -> None:
+        """The run has failed for good: record it and raise."""
+        self.state.status, self.state.error = "failed", str(error)
+        self.store.save(self.state)
+        self.phase = Errored(error)
+        raise error
 
     def _resized(self) -> None:
         """The ranks left their training function at the driver's request: start a larger group
