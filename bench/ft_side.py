@@ -126,7 +126,8 @@ def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int 
         "t_call": t_call,
         "t_return": t_return,
         "status": result.status,
-        "failures": [(f.kind, f.rank, f.step) for f in result.failures],
+        # with the time the driver recorded each failure: how long detection took
+        "failures": [(f.kind, f.rank, f.step, f.time.timestamp()) for f in result.failures],
     }
 
 

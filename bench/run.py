@@ -213,10 +213,14 @@ def fig_recovery(s: Suite, kind: str) -> dict:
         for _ in range(reps):
             r = s.child(module, figure, {})
             ev = r.get("events", [])
-            runs.append({"s": W.recovery_s(ev), "events": ev, "error": r.get("error")})
+            detected = W.detection_s(ev, (r.get("run") or {}).get("failures", []))
+            runs.append({"s": W.recovery_s(ev), "detect_s": detected, "events": ev, "error": r.get("error")})
         timed = sorted((x for x in runs if x["s"] is not None), key=lambda x: x["s"])
         median = timed[len(timed) // 2] if timed else runs[0]
+        detect = sorted(x["detect_s"] for x in runs if x["detect_s"] is not None)
         out[system] = {"s": median["s"], "runs_s": [x["s"] for x in runs], "events": median["events"],
+                       "detect_s": detect[len(detect) // 2] if detect else None,
+                       "detect_runs_s": [x["detect_s"] for x in runs],
                        "error": next((x["error"] for x in runs if x["error"]), None)}
     out["ratio"] = _ratio(out["ft-train"]["s"], out["ray"]["s"])
     return out
@@ -356,6 +360,12 @@ def rows(figs: dict) -> list[dict]:
         f = figs["node_loss"]
         row("node-loss recovery: worker/node SIGKILL -> first step after restore", "s",
             f["ft-train"]["s"], f["ray"]["s"], "<= 0.3x Ray", cmp(f["ratio"], 0.3), _runs(f))
+    for name, what in (("recovery", "rank SIGKILL"), ("node_loss", "worker SIGKILL")):
+        if name in figs and figs[name]["ft-train"].get("detect_s") is not None:
+            ft = figs[name]["ft-train"]
+            runs = ", ".join(f"{x:.2f}" for x in ft["detect_runs_s"] if x is not None)
+            row(f"detection: {what} -> failure recorded by the driver", "s", ft["detect_s"], None,
+                "", None, f"runs: {runs} s; Ray does not record it")
     if "cold_start" in figs:
         for mode, label in (("fresh", "nothing running (Prefect ephemeral / fit() starts Ray)"),
                             ("running", "Prefect server / Ray cluster already running")):

@@ -233,6 +233,14 @@ def recovery_s(events: list[dict]) -> Optional[float]:
     return None if first is None else first["t"] - t_kill
 
 
+def detection_s(events: list[dict], failures: list) -> Optional[float]:
+    """From the kill to the time the driver recorded the failure (ft-train's run state: the
+    failure is recorded once every rank has stopped, so this bounds detection from above)."""
+    kills = [e["t"] for e in events if e["event"] == "kill"]
+    recorded = [f[3] for f in failures if len(f) > 3]
+    return recorded[0] - kills[0] if kills and recorded else None
+
+
 def first_step_t(events: list[dict]) -> Optional[float]:
     """When step 1 was completed by every rank."""
     ts = [e["t"] for e in events if e["event"] == "step" and e["step"] == 1]
