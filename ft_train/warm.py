@@ -4,7 +4,11 @@ Importing torch takes seconds; a worker that joins to replace a lost one (a nann
 new node, the spare of a local cluster) would otherwise pay it inside the next group's start,
 while every other rank waits. The imports run in the worker's event loop when the plugin is set
 up, before the worker runs a task; a rank never imports torch concurrently with them (torch's
-import is not safe to race from two threads).
+import is not safe to race from two threads: it crashed workers).
+
+A local cluster's workers get the plugin at start, before they join the scheduler (so the
+cluster's start, which the flow overlaps with Prefect's, pays the imports); on any other cluster
+the controller registers it with the scheduler, for the workers there and those that join later.
 """
 
 from __future__ import annotations
