@@ -13,7 +13,7 @@ from distributed import Client
 
 import ft_train
 from ft_train.rank import free_port
-from tests.helpers import demo_config, fault, load_state, wait_for
+from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
 DASK = str(Path(sys.executable).parent / "dask")
@@ -53,6 +53,22 @@ class ExternalCluster:
     def kill(self, name):
         os.killpg(self.procs[name].pid, signal.SIGKILL)
 
+    def train(self, storage, name, config=None, *, train_loop=DEMO, scaling=None, **failure):
+        """The ft-train flow on this cluster: the demo on two ranks unless told otherwise;
+        `failure` holds FailureConfig's fields."""
+        from flows.train import train
+
+        return train(
+            train_loop=train_loop,
+            train_loop_config=config,
+            scaling_config=scaling or ft_train.ScalingConfig(num_workers=2),
+            run_config=ft_train.RunConfig(
+                name=name, storage_path=storage.path, storage_options=storage.options,
+                failure_config=ft_train.FailureConfig(**failure),
+            ),
+            cluster=ft_train.ClusterConfig(address=self.address),
+        )
+
     def close(self):
         for p in self.procs.values():
             if p.poll() is None:
@@ -73,8 +89,6 @@ def cluster(tmp_path):
 
 
 def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path, cluster):
-    from flows.train import train
-
     # rank 1 (on worker w1: ranks follow worker names) holds at step 7, after the checkpoint of
     # step 5, so the test can take its machine away mid-run
     hold = fault(tmp_path, 1, 7, kind="wait")
@@ -92,16 +106,8 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
     killed = {}
     chaos = threading.Thread(target=lambda: killed.setdefault("at", take_away_w1()), daemon=True)
     chaos.start()
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([hold]),
-        scaling_config=ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120),
-        run_config=ft_train.RunConfig(
-            name=name, storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=1),
-        ),
-        cluster=ft_train.ClusterConfig(address=cluster.address),
-    )
+    scaling = ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120)
+    result = cluster.train(storage, name, demo_config([hold]), scaling=scaling, max_failures=1)
     chaos.join(timeout=10)
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     (failure,) = result.failures
@@ -114,23 +120,13 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
 
 
 def test_too_few_workers_fail_with_a_clear_error(storage, cluster):
-    from flows.train import train
-
     with pytest.raises(ft_train.WorkerStartupError, match="worker_start_timeout_s"):
-        train(
-            train_loop="tests.loops:report_many",
-            scaling_config=ft_train.ScalingConfig(num_workers=4, worker_start_timeout_s=2),
-            run_config=ft_train.RunConfig(
-                name="too-few", storage_path=storage.path, storage_options=storage.options
-            ),
-            cluster=ft_train.ClusterConfig(address=cluster.address),
-        )
+        scaling = ft_train.ScalingConfig(num_workers=4, worker_start_timeout_s=2)
+        cluster.train(storage, "too-few", train_loop="tests.loops:report_many", scaling=scaling)
     assert load_state(storage, "too-few").status == "failed"
 
 
 def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster):
-    from flows.train import train
-
     # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
     gate = fault(tmp_path, 0, 7, kind="until_preempted")
 
@@ -141,16 +137,8 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
     import threading
 
     threading.Thread(target=preempt_w0, daemon=True).start()
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([gate]),
-        scaling_config=ft_train.ScalingConfig(num_workers=2),
-        run_config=ft_train.RunConfig(
-            name="preempted", storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=0, preemption_grace_s=60),
-        ),
-        cluster=ft_train.ClusterConfig(address=cluster.address),
-    )
+    config = demo_config([gate])
+    result = cluster.train(storage, "preempted", config, max_failures=0, preemption_grace_s=60)
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
@@ -164,8 +152,6 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
 
 
 def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_path, cluster):
-    from flows.train import train
-
     cluster.kill("w2")  # two workers: w0 and w1
     wait_for(lambda: "w2" not in cluster.workers(), 60, "w2 to leave")
     lose_w1 = fault(tmp_path, 1, 4, kind="wait")  # rank 1 holds at step 4: take w1 away
@@ -184,16 +170,9 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
     import threading
 
     threading.Thread(target=operator, daemon=True).start()
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([lose_w1, on_one], epochs=2, checkpoint_every=3),
-        scaling_config=ft_train.ScalingConfig(num_workers=(1, 2), elastic_wait_s=1),
-        run_config=ft_train.RunConfig(
-            name="elastic", storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=1),
-        ),
-        cluster=ft_train.ClusterConfig(address=cluster.address),
-    )
+    config = demo_config([lose_w1, on_one], epochs=2, checkpoint_every=3)
+    scaling = ft_train.ScalingConfig(num_workers=(1, 2), elastic_wait_s=1)
+    result = cluster.train(storage, "elastic", config, scaling=scaling, max_failures=1)
     assert result.status == "finished"
     assert release.read_text() == "2 1"  # it went on with one worker rather than waiting
     assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]  # a resize is not
@@ -205,8 +184,6 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
 
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "removed"])
 def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster, close):
-    from flows.train import train
-
     # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
     gate = fault(tmp_path, 0, 7, kind="until_preempted")
     retired_at = []
@@ -220,16 +197,8 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tm
     import threading
 
     threading.Thread(target=retire_w0, daemon=True).start()
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([gate]),
-        scaling_config=ft_train.ScalingConfig(num_workers=2),
-        run_config=ft_train.RunConfig(
-            name=f"retired-{close}", storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=0, preemption_grace_s=120),
-        ),
-        cluster=ft_train.ClusterConfig(address=cluster.address),
-    )
+    config = demo_config([gate])
+    result = cluster.train(storage, f"retired-{close}", config, max_failures=0, preemption_grace_s=120)
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
