@@ -22,7 +22,6 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 from .config import ClusterConfig, ScalingConfig
 from .errors import ConfigError
-from .warm import WarmImports
 
 DASK_SETTINGS = {
     "distributed.scheduler.allowed-failures": 0,
@@ -64,7 +63,6 @@ def _gpu_cluster(n: int) -> SpecCluster:
                 "resources": {"GPU": 1},
                 "env": {"CUDA_VISIBLE_DEVICES": str(i)},
                 "silence_logs": logging.WARNING,
-                "plugins": {WarmImports()},
             },
         }
         for i in range(n)
@@ -105,7 +103,6 @@ def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> SpecCluste
             scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
             memory_limit=0,
             silence_logs=logging.ERROR,
-            plugins={WarmImports()},  # before a worker joins, also after a restart
         )
 
 

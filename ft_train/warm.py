@@ -2,13 +2,12 @@
 
 Importing torch takes seconds; a worker that joins to replace a lost one (a nanny's restart, a
 new node, the spare of a local cluster) would otherwise pay it inside the next group's start,
-while every other rank waits. The imports run in the worker's event loop when the plugin is set
-up, before the worker runs a task; a rank never imports torch concurrently with them (torch's
-import is not safe to race from two threads: it crashed workers).
+while every other rank waits. The controller registers this plugin once its first group is up:
+workers running a rank have imported all of it already, the others import it then, and workers
+that join later import it before they run a task.
 
-A local cluster's workers get the plugin at start, before they join the scheduler (so the
-cluster's start, which the flow overlaps with Prefect's, pays the imports); on any other cluster
-the controller registers it with the scheduler, for the workers there and those that join later.
+The imports run in the worker's event loop, never beside a rank's own imports: torch's import
+is not safe to race from two threads (it crashed workers).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
@@ -87,6 +88,7 @@ class Controller:
         self.start_failures = 0  # groups in a row that failed before every rank started
         self.resizing = False
         self._plugins_installed = False
+        self._warming = False
         self._last_progress_log = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
@@ -160,7 +162,6 @@ class Controller:
         self.resizing = False
         if not self._plugins_installed:  # on every worker, and on those that join later
             self.client.register_plugin(PreemptionWatcher(self.failure_config.preemption_grace_s))
-            self.client.register_plugin(WarmImports())
             self._plugins_installed = True
         group.start(self.plan, self.state.latest, self.state.report_index, self.dead_workers)
         self.rounds = ReportRounds(len(group.addresses), self.state.report_index)
@@ -191,6 +192,7 @@ class Controller:
                 self.rounds.add(msg)
             elif len(self.progress) == len(self.phase.group.addresses):
                 self.start_failures = 0  # every rank started: the group is up
+                self._warm_workers()
             return None
         if kind == "preempt_notice":
             if event[2] in self.phase.group.addresses:
@@ -214,6 +216,22 @@ class Controller:
         if kind == "rank_done":
             return self._rank_done(event[2], event[3])
         return None
+
+    def _warm_workers(self) -> None:
+        """Once the first group is up, have every worker import torch (the spare, and those that
+        join later: a failed rank's replacement then starts at once). Not sooner: on a small
+        machine the imports would slow the run's start. On a thread: the spare takes seconds."""
+        if self._warming:
+            return
+        self._warming = True
+
+        def register() -> None:
+            try:
+                self.client.register_plugin(WarmImports())
+            except Exception as e:  # the run may be over already; the workers still work cold
+                logger.debug("could not warm the workers: %s", e)
+
+        threading.Thread(target=register, name="ft-train-warm", daemon=True).start()
 
     def _rank_raised(self, rank: int, exc: RankFailure) -> None:
         self.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
