@@ -3,7 +3,7 @@
 A report round with a checkpoint is committed in this order; each step is a crash point after
 which the previous committed checkpoint is still the one a restore finds:
 
-  1. every rank has uploaded its files into `{name}/{dir_name}/` (done before it reported);
+  1. every rank has uploaded its files into `{name}/{dir_name}/` (before it sent its report);
      `dir_name` carries the attempt, so a directory never mixes files from two attempts;
   2. the manifest (files, sizes, sha256) is written last inside the directory: a single PUT;
   3. the run state now references the checkpoint (and no longer references any that

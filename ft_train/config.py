@@ -85,7 +85,7 @@ class FailureConfig(_Config):
         30.0,
         ge=0,
         description="How long a worker told to leave stays, for the ranks to save a "
-        "just-in-time checkpoint at their next report().",
+        "just-in-time checkpoint (they learn of it one report() after the worker does).",
     )
     hang_timeout_s: Optional[float] = Field(
         1800.0,

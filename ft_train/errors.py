@@ -3,7 +3,8 @@
     FtTrainError
     ├── ConfigError                  bad input; fails before any worker starts, never retried
     │   └── TrainLoopImportError     `train_loop` cannot be imported or called
-    ├── StorageError                 the run directory is unusable (corrupt state, unreadable)
+    ├── StorageError                 the run directory is unusable (corrupt state, unreadable),
+    │                                or a rank's asynchronous checkpoint upload failed
     ├── SessionError                 worker-side API used outside a training function, or misused
     ├── WorkerGroupError             a rank raised, died, or its worker was lost: retryable
     │   └── (carries `failure`, a FailureRecord)

@@ -10,9 +10,10 @@ rank has left or the notice runs out. Every rank learns of the notice at the sam
 so the training function can save a just-in-time checkpoint that is committed before the worker
 leaves. The restart that follows is charged to `max_preemption_failures`, not `max_failures`.
 
-The same agreement carries the driver's request to stop a healthy group at the next report
-(`request_stop`, used to grow an elastic group): every rank then leaves its training function
-at the same report, and keeps its process.
+The same agreement carries the driver's request to stop a healthy group (`request_stop`, used to
+grow an elastic group): every rank then leaves its training function at the same report, and
+keeps its process. `report()` starts the agreement in the background and reads it at the next
+report, so what the ranks learn at report k+1 is what they knew at report k.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ TOPIC = "ft-train-preemption"
 
 # This process's notice: the epoch time by which its worker leaves. Set by the signal handler.
 _deadline: Optional[float] = None
-# The attempt whose ranks the driver asked to stop at their next report.
+# The attempt whose ranks the driver asked to stop (they leave one report later, all together).
 _stop_for: Optional[str] = None
 
 
@@ -43,14 +44,14 @@ class GroupStop(BaseException):
 
 
 def give_notice(deadline: float) -> None:
-    """Run on a worker (also by Client.run): its ranks learn at their next report() that this
+    """Run on a worker (also by Client.run): the ranks learn, one report() later, that this
     worker leaves by `deadline` (epoch seconds)."""
     global _deadline
     _deadline = deadline if _deadline is None else min(_deadline, deadline)
 
 
 def request_stop(attempt_id: str) -> None:
-    """Run on a worker (Client.run): its rank leaves at its next report()."""
+    """Run on a worker (Client.run): the ranks leave one report() later, all at the same one."""
     global _stop_for
     _stop_for = attempt_id
 
@@ -121,22 +122,41 @@ class Agreement:
     all_finished: bool
 
 
+class PendingAgreement:
+    """One report's agreement: the ranks' flags, all-reduced (MAX) in the background over the
+    control group; `result()` waits for it. Every rank starts one at its k-th report, so every
+    rank reads the same one."""
+
+    def __init__(self, control_group, rank: int, world_size: int, attempt_id: str, finished: bool):
+        import torch
+        import torch.distributed as dist
+
+        w = self.world_size = world_size
+        flags = [0.0] * (w + 4)  # a list first: a tensor's item assignments cost ~10 us each
+        flags[w] = float("-inf") if _deadline is None else -_deadline  # -earliest deadline
+        if _deadline is not None:
+            flags[rank] = 1.0
+        flags[w + 1] = 1.0 if _stop_for == attempt_id else 0.0
+        flags[w + 2] = 1.0 if finished else 0.0  # any rank finished
+        flags[w + 3] = 0.0 if finished else 1.0  # any rank not finished
+        self.flags = torch.tensor(flags, dtype=torch.float64)
+        self.work = None
+        if w > 1:
+            self.work = dist.all_reduce(
+                self.flags, op=dist.ReduceOp.MAX, group=control_group, async_op=True
+            )
+
+    def result(self) -> Agreement:
+        if self.work is not None:
+            self.work.wait()  # also raises the all-reduce's error (a peer lost)
+        w, flags = self.world_size, self.flags.tolist()
+        ranks = tuple(r for r in range(w) if flags[r])
+        info = PreemptionInfo(ranks, -flags[w]) if ranks else None
+        return Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3])
+
+
 def agree(
     control_group, rank: int, world_size: int, attempt_id: str, finished: bool = False
 ) -> Agreement:
-    import torch
-    import torch.distributed as dist
-
-    w = world_size
-    flags = torch.zeros(w + 4, dtype=torch.float64)  # all-reduced with MAX
-    flags[w] = float("-inf") if _deadline is None else -_deadline  # -earliest deadline
-    if _deadline is not None:
-        flags[rank] = 1.0
-    flags[w + 1] = 1.0 if _stop_for == attempt_id else 0.0
-    flags[w + 2] = 1.0 if finished else 0.0  # any rank finished
-    flags[w + 3] = 0.0 if finished else 1.0  # any rank not finished
-    if w > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group)
-    ranks = tuple(int(r) for r in torch.nonzero(flags[:w]).flatten())
-    info = PreemptionInfo(ranks, -float(flags[w])) if ranks else None
-    return Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not bool(flags[w + 3]))
+    """The agreement, waited for."""
+    return PendingAgreement(control_group, rank, world_size, attempt_id, finished).result()

@@ -127,38 +127,6 @@ UPLOAD_MODES = ("sync", "async")
 STOP_FLUSH_S = 10.0
 
 
-class _PendingAgreement:
-    """One report's agreement, all-reduced in the background; read at the next report.
-
-    The flags are those of `preemption.agree` (which the blocking agreement of `finish` uses),
-    with the all-reduce started asynchronously instead of waited for."""
-
-    def __init__(self, control, spec: RankSpec, index: int):
-        import torch
-        import torch.distributed as dist
-
-        w, deadline = spec.world_size, preemption.local_deadline()
-        self.index, self.world_size = index, w
-        flags = [0.0] * (w + 4)  # built as a list: a tensor's item assignments cost ~10 us each
-        flags[w] = float("-inf") if deadline is None else -deadline  # -earliest deadline
-        if deadline is not None:
-            flags[spec.rank] = 1.0
-        flags[w + 1] = 1.0 if preemption._stop_for == spec.attempt_id else 0.0
-        flags[w + 3] = 1.0  # this rank has not finished (flags[w + 2]: one has)
-        self.flags = flags = torch.tensor(flags, dtype=torch.float64)  # all-reduced with MAX
-        self.work = None
-        if w > 1:
-            self.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control, async_op=True)
-
-    def result(self) -> preemption.Agreement:
-        if self.work is not None:
-            self.work.wait()  # also raises the all-reduce's error (a peer lost)
-        w, flags = self.world_size, self.flags.tolist()
-        ranks = tuple(r for r in range(w) if flags[r])
-        info = preemption.PreemptionInfo(ranks, -flags[w]) if ranks else None
-        return preemption.Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3])
-
-
 class Session:
     def __init__(self, spec: RankSpec, send: Callable[[dict], None]):
         self.spec = spec
@@ -167,7 +135,8 @@ class Session:
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
         self.preemption: Optional[preemption.PreemptionInfo] = None
-        self._agreement: Optional[_PendingAgreement] = None  # started at the latest report
+        self._agreement: Optional[preemption.PendingAgreement] = None  # from the latest report
+        self._agreement_index = 0  # that report's index
         self._uploads: Optional[Uploads] = None  # created by the first asynchronous upload
 
     def checkpoint(self) -> Optional[Checkpoint]:
@@ -215,13 +184,17 @@ class Session:
         if previous is not None:
             agreed = previous.result()
             if agreed.any_finished:
-                raise SessionError(_UNEQUAL.format(previous.index))
+                raise SessionError(_UNEQUAL.format(self._agreement_index))
             if agreed.stop:
                 raise preemption.GroupStop()
             if agreed.preemption is not None and self.preemption is None:
                 self.preemption = info = agreed.preemption
                 msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
-        self._agreement = _PendingAgreement(self.control, self.spec, self.report_index)
+        s = self.spec
+        self._agreement = preemption.PendingAgreement(
+            self.control, s.rank, s.world_size, s.attempt_id, finished=False
+        )
+        self._agreement_index = self.report_index
 
     def _uploads_started(self) -> Uploads:
         if self._uploads is None:
@@ -234,7 +207,7 @@ class Session:
         if self._agreement is not None:
             previous, self._agreement = self._agreement, None
             if previous.result().any_finished:
-                raise SessionError(_UNEQUAL.format(previous.index))
+                raise SessionError(_UNEQUAL.format(self._agreement_index))
         if self._uploads is not None:
             self._uploads.flush()  # raises a failed upload's error
         if self.control is not None:

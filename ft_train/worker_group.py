@@ -188,7 +188,7 @@ class WorkerGroup:
         return "node_loss"
 
     def request_stop(self) -> None:
-        """Ask every rank to leave its training function at its next report()."""
+        """Ask every rank to leave its training function (one report later, all at the same one)."""
         self.client.run(preemption.request_stop, self.attempt_id, workers=self.addresses)
 
     def release(self) -> None:

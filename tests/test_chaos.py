@@ -118,8 +118,10 @@ KINDS: dict[str, Kind] = {
     "kill": Kind("kill", "process_death", exact_step=False),
     "hang": Kind("wait", "hang"),
     "node_loss": Kind("wait", "node_loss", external=True, action=take_node_away),
-    # The rank holds until its worker has notice; the ranks learn it at the next report and save
-    # a just-in-time checkpoint (an extra report, unless that step checkpoints anyway).
+    # The rank holds until its worker has notice, which it has at its next report; every rank
+    # learns it at the report after that (the agreement started at one report is read at the
+    # next) and saves a just-in-time checkpoint (an extra report, unless that step checkpoints
+    # anyway).
     "preemption": Kind("until_preempted", "preemption", charged=False, external=True,
                        action=tell_worker_to_leave),
     # the phase boundary, handled by the test itself; on a checkpoint step
@@ -151,11 +153,11 @@ SCHEDULE = [
         (31, 0, "hang"),
         (32, 1, "node_loss"),
         (34, 0, "kill"),
-        (35, 1, "preemption"),  # learned at step 36, a checkpoint anyway
+        (35, 1, "preemption"),  # learned at step 37: a just-in-time checkpoint, one report more
         (37, 1, "raise"),  # the first step of epoch 4
         (38, 0, "raise"),
         (40, 1, "kill"),
-        (43, 0, "preemption"),  # learned at step 44: a just-in-time checkpoint, one report more
+        (43, 0, "preemption"),  # learned at step 45, a checkpoint anyway
         (46, 1, "raise"),
         (47, 0, "kill"),  # the last step
     ]
@@ -184,7 +186,7 @@ class Expected:
 def timeline() -> tuple[list[Expected], list[int]]:
     """What each fault of SCHEDULE must leave in the run state, and the report index of every
     checkpoint. One report per training step, plus one for each just-in-time checkpoint."""
-    jit = {f.step + 1 for f in SCHEDULE if f.kind == "preemption" and (f.step + 1) % EVERY}
+    jit = {f.step + 2 for f in SCHEDULE if f.kind == "preemption" and (f.step + 2) % EVERY}
 
     def index(step: int) -> int:  # the last report index once `step` is done
         return step + sum(j <= step for j in jit)
@@ -192,8 +194,8 @@ def timeline() -> tuple[list[Expected], list[int]]:
     checkpoints = sorted(set(range(EVERY, STEPS + 1, EVERY)) | jit)
     expected = []
     for f in SCHEDULE:
-        if f.kind == "preemption":  # learned at the next report; saved then, or at the JIT one
-            expected.append(Expected(index(f.step + 1), index(f.step + 1), f.step + 1))
+        if f.kind == "preemption":  # learned a report later; saved then, or at the JIT one
+            expected.append(Expected(index(f.step + 2), index(f.step + 2), f.step + 2))
         else:
             at = max((c for c in checkpoints if c <= f.step), default=0)
             expected.append(Expected(index(f.step), index(at), at))

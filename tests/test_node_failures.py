@@ -143,11 +143,13 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
     state = load_state(storage, "preempted")
-    # every rank learned at the report of step 8; the loop saved a just-in-time checkpoint
-    # (an extra report, index 9) that was committed before w0 left, and the run resumed from it
+    # rank 0 had notice at the report of step 8; every rank learned it at the next report (the
+    # agreement started at one report is read at the next), step 9's; the loop saved a
+    # just-in-time checkpoint (an extra report, index 10) that was committed before w0 left, and
+    # the run resumed from it
     jit = state.attempts[1].restored_from
-    assert jit is not None and jit.startswith("checkpoint_000009-a0-")
-    assert result.metrics["resumed_from"] == 8
+    assert jit is not None and jit.startswith("checkpoint_000010-a0-")
+    assert result.metrics["resumed_from"] == 9
     assert "w0" not in cluster.workers()  # it left; the run went on on w1 and w2
 
 
@@ -202,12 +204,12 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tm
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
-    # as with SIGTERM: every rank learned at the report of step 8, the loop saved a
-    # just-in-time checkpoint (report 9), committed before w0 left, and the run resumed from it
+    # as with SIGTERM: every rank learned at the report of step 9, the loop saved a
+    # just-in-time checkpoint (report 10), committed before w0 left, and the run resumed from it
     state = load_state(storage, f"retired-{close}")
     jit = state.attempts[1].restored_from
-    assert jit is not None and jit.startswith("checkpoint_000009-a0-")
-    assert result.metrics["resumed_from"] == 8
+    assert jit is not None and jit.startswith("checkpoint_000010-a0-")
+    assert result.metrics["resumed_from"] == 9
     # w0 was let go once the checkpoint was committed, not when its notice ran out
     assert time.monotonic() - retired_at[0] < 60
     wait_for(lambda: "w0" not in cluster.workers(), 30, "w0 to leave")
