@@ -82,6 +82,10 @@ class DaskSender:
 
     def __call__(self, msg: dict) -> None:
         self.queue.append(msg)  # thread-safe; also called by the upload thread
+        if "dir_name" in msg:
+            # A checkpoint's message goes now: a rank killed before the next tick would lose
+            # it, and with it the round's commit.
+            self.worker.loop.add_callback(self._flush)
 
     def _flush(self) -> None:  # on the worker's event loop
         while self.queue:
