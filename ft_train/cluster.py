@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from concurrent.futures import Future
-from typing import Iterator, Optional
+from typing import Iterator
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
@@ -89,78 +87,31 @@ def _quiet_dask() -> Iterator[None]:
 
 
 def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> SpecCluster:
+    """Started under DASK_SETTINGS (by dask_client)."""
     n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else SPARE_WORKERS)
-    with dask.config.set(DASK_SETTINGS), _quiet_dask():
-        if scaling.use_gpu:
-            return _gpu_cluster(n)
-        return LocalCluster(
-            n_workers=n,
-            threads_per_worker=1,
-            processes=True,
-            host="127.0.0.1",
-            # None still tries port 8787 and warns when it is taken; bind loopback
-            dashboard_address=None,
-            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
-            memory_limit=0,
-            silence_logs=logging.ERROR,
-        )
-
-
-# Local clusters being started ahead of the flow body, by their settings.
-_ahead: dict[tuple, Future] = {}
-_ahead_lock = threading.Lock()
-
-
-def _key(cluster: ClusterConfig, scaling: ScalingConfig) -> tuple:
-    return (cluster.n_workers, scaling.max_workers, scaling.use_gpu)
-
-
-@contextlib.contextmanager
-def started_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[None]:
-    """Start the local cluster on a thread now; `dask_client` with the same settings, within
-    this block, takes it instead of starting one. One it did not take is closed at the end.
-
-    The flow's Python call does this while Prefect starts its API: in ephemeral mode both take
-    seconds, and the run needs both."""
-    if cluster.address is not None:
-        yield
-        return
-    key, future = _key(cluster, scaling), Future()
-
-    def start() -> None:
-        try:
-            future.set_result(_local_cluster(cluster, scaling))
-        except BaseException as e:  # dask_client raises it when it takes the cluster
-            future.set_exception(e)
-
-    with _ahead_lock:
-        _ahead[key] = future
-    threading.Thread(target=start, name="ft-train-cluster-ahead", daemon=True).start()
-    try:
-        yield
-    finally:
-        with _ahead_lock:
-            left = _ahead.pop(key, None) if _ahead.get(key) is future else None
-        if left is not None:  # the flow never needed it (a finished run, an early error)
-            with contextlib.suppress(Exception):
-                left.result().close()
-
-
-def _take_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Optional[SpecCluster]:
-    with _ahead_lock:
-        future = _ahead.pop(_key(cluster, scaling), None)
-    return None if future is None else future.result()
+    if scaling.use_gpu:
+        return _gpu_cluster(n)
+    return LocalCluster(
+        n_workers=n,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        # None still tries port 8787 and warns when it is taken; bind loopback
+        dashboard_address=None,
+        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+        memory_limit=0,
+        silence_logs=logging.ERROR,
+    )
 
 
 @contextlib.contextmanager
 def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Client]:
-    """A client for the run; a cluster started here (or ahead, for this run) is closed on exit."""
-    ahead = _take_ahead(cluster, scaling) if cluster.address is None else None
+    """A client for the run; a cluster started here is closed on exit."""
     with dask.config.set(DASK_SETTINGS), contextlib.ExitStack() as stack:
         stack.enter_context(_quiet_dask())
         if cluster.address is not None:
             client = stack.enter_context(Client(cluster.address, set_as_default=False))
         else:
-            local = stack.enter_context(ahead or _local_cluster(cluster, scaling))
+            local = stack.enter_context(_local_cluster(cluster, scaling))
             client = stack.enter_context(Client(local, set_as_default=False))
         yield client
