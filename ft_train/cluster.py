@@ -2,7 +2,8 @@
 
 The local cluster runs one single-threaded worker process per rank, each under a nanny that
 restarts it if it dies, plus one warm spare on CPU: a failed rank's place is taken at once by a
-process that has torch imported already, while the nanny restarts the lost one in the background. Settings that fault tolerance depends on stay in force for the cluster's
+process that has torch imported already, while the nanny restarts the lost one in the background.
+Settings that fault tolerance depends on stay in force for the cluster's
 whole life (nannies read them again each time they restart a worker):
 - `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
 - `worker.daemon: False`: a rank may start processes (`DataLoader(num_workers>0)`).
