@@ -9,17 +9,18 @@ returned without training again.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Optional, Union
 
-from prefect import flow
+from prefect import Flow
 
 import ft_train
+from ft_train.cluster import start_forkserver
 from ft_train.driver import make_controller
 from tasks import finalize, prepare_run, provision_workers, train_segment
 
 
-@flow(name="ft-train", flow_run_name="{run_config.name}")
-def train(
+def train_fn(
     train_loop: Union[str, Callable],
     run_config: ft_train.RunConfig,
     train_loop_config: Optional[dict[str, Any]] = None,
@@ -53,3 +54,22 @@ def train(
             controller.abort(e)  # stop the ranks; record why (Ctrl+C is not charged)
             raise
     return finalize(plan)
+
+
+class _TrainFlow(Flow):
+    """The flow, and one thing more for a Python call on a local CPU cluster: the fork server
+    that its workers fork from starts importing torch at once, while Prefect starts its API
+    (seconds each in ephemeral mode). Deployment runs start it with the cluster."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):  # bad input fails in the flow, as without this
+            call = inspect.signature(self.fn).bind(*args, **kwargs)
+            call.apply_defaults()
+            cluster = ft_train.ClusterConfig.model_validate(call.arguments["cluster"])
+            scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
+            if cluster.address is None and not scaling.use_gpu:
+                start_forkserver()
+        return super().__call__(*args, **kwargs)
+
+
+train = _TrainFlow(train_fn, name="ft-train", flow_run_name="{run_config.name}")

@@ -3,6 +3,9 @@
 The local cluster runs one single-threaded worker process per rank, each under a nanny that
 restarts it if it dies, plus one warm spare on CPU: a failed rank's place is taken at once by a
 process that has torch imported already, while the nanny restarts the lost one in the background.
+On CPU, worker processes fork from one fork server per driver process that imported torch once
+(`start_forkserver`), instead of each importing it: seconds of CPU a worker, which a cold start,
+a nanny's restart and the ranks' own cores (the spare's import) paid.
 Settings that fault tolerance depends on stay in force for the cluster's
 whole life (nannies read them again each time they restart a worker):
 - `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
@@ -14,7 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import threading
+from typing import Iterator, Optional
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
@@ -42,6 +49,61 @@ DASK_SETTINGS = {
 
 # Local CPU clusters keep this many workers beyond the ranks, ready to take a failed one's place.
 SPARE_WORKERS = 1
+
+# What the fork server imports before it forks workers: what a rank needs (torch._dynamo is
+# imported by the first DistributedDataParallel, about a second).
+FORKSERVER_PRELOAD = ["distributed", "torch", "torch.distributed", "torch._dynamo"]
+
+_forkserver_env: Optional[dict[str, str]] = None  # the environment our fork server started in
+_forkserver_lock = threading.Lock()
+
+
+def _spawn_environ() -> dict[str, str]:
+    """The environment a worker spawned now would start in: the driver's, with the variables
+    a nanny sets before it starts a worker (read under DASK_SETTINGS)."""
+    env = dict(os.environ)
+    for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items():
+        if v is not None:
+            env.setdefault(k, str(v))
+    if env.get("PYTHONHASHSEED") in (None, "0"):  # as the nanny does: one hash seed for all
+        env["PYTHONHASHSEED"] = "6640"
+    return env
+
+
+def start_forkserver() -> bool:
+    """Start the fork server that local CPU workers fork from, once per driver process; it
+    imports FORKSERVER_PRELOAD in the background. Its environment is the one a spawned worker
+    would get. Called when a local cluster starts, and earlier by a Python call of the flow, so
+    that the imports overlap Prefect's start. False if a fork server that this module did not
+    start runs already (its imports and environment are unknown: workers are spawned then)."""
+    global _forkserver_env
+    with dask.config.set(DASK_SETTINGS), _forkserver_lock:
+        if _forkserver_env is not None:
+            return True
+        server = multiprocessing.forkserver._forkserver
+        if getattr(server, "_forkserver_pid", None) is not None:
+            return False
+        env = _spawn_environ()
+        os.environ.update(env)  # the server inherits it (a nanny does the same before a spawn)
+        server.set_forkserver_preload(FORKSERVER_PRELOAD)
+        server.ensure_running()
+        _forkserver_env = env
+        return True
+
+
+def _worker_start() -> tuple[str, dict[str, str]]:
+    """How a local CPU cluster starts its workers now: ("forkserver", the variables to set in a
+    forked worker so that it sees the driver's environment as a spawned one would), or
+    ("spawn", {}) where forking cannot give that environment: a variable was removed since the
+    fork server started (variables read when torch is imported, OMP_NUM_THREADS and the like,
+    keep the value they had then)."""
+    if not start_forkserver():
+        return "spawn", {}
+    assert _forkserver_env is not None
+    now = _spawn_environ()
+    if _forkserver_env.keys() - now.keys():
+        return "spawn", {}
+    return "forkserver", {k: v for k, v in now.items() if _forkserver_env.get(k) != v}
 
 
 def _gpu_cluster(n: int) -> SpecCluster:
@@ -87,8 +149,8 @@ def _quiet_dask() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> SpecCluster:
-    """Started under DASK_SETTINGS (by dask_client)."""
+def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig, env: dict[str, str]) -> SpecCluster:
+    """Started under DASK_SETTINGS and the start method (by dask_client)."""
     n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else SPARE_WORKERS)
     if scaling.use_gpu:
         return _gpu_cluster(n)
@@ -102,6 +164,7 @@ def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> SpecCluste
         scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
         memory_limit=0,
         silence_logs=logging.ERROR,
+        env=env,
     )
 
 
@@ -113,6 +176,9 @@ def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Clie
         if cluster.address is not None:
             client = stack.enter_context(Client(cluster.address, set_as_default=False))
         else:
-            local = stack.enter_context(_local_cluster(cluster, scaling))
+            method, env = ("spawn", {}) if scaling.use_gpu else _worker_start()
+            # for the cluster's whole life: nannies read it each time they start a worker
+            stack.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": method}))
+            local = stack.enter_context(_local_cluster(cluster, scaling, env))
             client = stack.enter_context(Client(local, set_as_default=False))
         yield client

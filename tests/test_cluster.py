@@ -1,0 +1,89 @@
+"""The local cluster's workers: forked from a fork server that imported torch, in the driver's
+environment; spawned where forking cannot give that environment."""
+
+import json
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+import uuid
+
+from ft_train import cluster
+from ft_train.config import ClusterConfig, ScalingConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def probe() -> dict:
+    """Run on a worker as soon as it is up, before any rank imported anything."""
+    return {
+        "ppid": os.getppid(),
+        "torch_loaded": "torch._dynamo" in sys.modules,
+        "var": os.environ.get("FT_TEST_VAR"),
+        "region": os.environ.get("AWS_DEFAULT_REGION"),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def workers() -> list[dict]:
+    with cluster.dask_client(ClusterConfig(), ScalingConfig(num_workers=2)) as client:
+        return list(client.run(probe).values())
+
+
+def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_environment(monkeypatch):
+    assert cluster.start_forkserver()
+    server_pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    value = uuid.uuid4().hex
+    monkeypatch.setenv("FT_TEST_VAR", value)  # set after the fork server started
+    seen = workers()
+    assert len(seen) == 3  # two ranks and the spare
+    for w in seen:
+        assert w["ppid"] == server_pid, w  # forked, not spawned by the driver
+        assert w["torch_loaded"], w
+        assert w["var"] == value, w
+        assert w["omp"] == "1", w  # Dask's pre-spawn variables, as with spawned workers
+
+
+def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
+    assert cluster.start_forkserver()
+    assert "AWS_DEFAULT_REGION" in cluster._forkserver_env  # conftest sets it before any server
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    assert cluster._worker_start() == ("spawn", {})
+    seen = workers()
+    for w in seen:
+        assert w["ppid"] == os.getpid(), w  # spawned by the nanny in this process
+        assert w["region"] is None, w  # a forked worker would still have it
+    monkeypatch.undo()
+    method, env = cluster._worker_start()
+    assert method == "forkserver" and "AWS_DEFAULT_REGION" not in env
+
+
+DRIVER = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import ft_train
+from ft_train import cluster
+from flows.train import train
+
+out = {{}}
+for name, kw in (("address", {{"address": "tcp://127.0.0.1:9"}}), ("local", {{}})):
+    try:
+        train(train_loop="no_such_module_ft:fn",  # fails in the flow, before any worker starts
+              run_config=ft_train.RunConfig(name=name, storage_path={storage!r}),
+              cluster=ft_train.ClusterConfig(**kw))
+    except Exception as e:
+        out[name] = [type(e).__name__, cluster._forkserver_env is not None]
+print(json.dumps(out))
+"""
+
+
+def test_a_python_call_of_the_flow_starts_the_fork_server_before_the_flow_runs(prefect_api, tmp_path):
+    """The fork server imports torch while Prefect starts; only for a local cluster."""
+    script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
+    env = dict(os.environ, PREFECT_API_URL=prefect_api)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["address"] == ["TrainLoopImportError", False], out  # an existing cluster: nothing started
+    assert out["local"] == ["TrainLoopImportError", True], out
