@@ -45,6 +45,12 @@ DASK_SETTINGS = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     # The statistical profiler samples every thread's stack every 10 ms, the rank's included.
     "distributed.worker.profile.enabled": False,
+    # Every scheduler, nanny and worker wakes its event loop every 20 ms to time it (for a
+    # "blocked event loop" warning after 3 s) and every 0.5 s to sample the system (dashboard
+    # metrics): 1.3% of a core per idle worker, 2.9% in the driver of a 3-worker cluster, taken
+    # from the ranks' cores and GIL; with these, 0.3% and 0.9%.
+    "distributed.admin.tick.interval": "1s",
+    "distributed.admin.system-monitor.interval": "2s",
 }
 
 # Local CPU clusters keep this many workers beyond the ranks, ready to take a failed one's place.
