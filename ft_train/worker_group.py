@@ -123,7 +123,7 @@ class WorkerGroup:
         self.nannies = {a: info[a].get("nanny") for a in addrs}
 
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
-        self.client.subscribe_topic(self.topic, lambda ev: self.events.put(("report", self.attempt, ev[1])))
+        self.client.subscribe_topic(self.topic, self._on_reports)
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self.client.subscribe_topic(preemption.TOPIC, self._on_preemption_notice)
         for rank, addr in enumerate(addrs):
@@ -162,6 +162,10 @@ class WorkerGroup:
             )
             fut.add_done_callback(lambda f, r=rank: self.events.put(("rank_done", self.attempt, r, f)))
             self.futures.append(fut)
+
+    def _on_reports(self, event: tuple) -> None:
+        for msg in event[1]:  # a rank's batch (rank.DaskSender)
+            self.events.put(("report", self.attempt, msg))
 
     def _on_scheduler_event(self, event: tuple) -> None:
         msg = event[1]
