@@ -21,6 +21,7 @@ from .result import TrainResult
 from .run_state import FailureRecord
 from .preemption import PreemptionInfo
 from .session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
+from .uploads import staging_dir
 
 __all__ = [
     "Checkpoint",
@@ -45,6 +46,7 @@ __all__ = [
     "get_context",
     "get_preemption_info",
     "report",
+    "staging_dir",
 ]
 
 

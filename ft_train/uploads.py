@@ -29,6 +29,7 @@ which the driver's `collect_orphans` removes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import fcntl
 import os
@@ -37,9 +38,9 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from .errors import StorageError
+from .errors import SessionError, StorageError
 from .storage import Storage, UploadStopped, local_files
 
 MAX_IN_FLIGHT = 2  # one uploading, one waiting: absorbs a slow upload without holding the rank
@@ -216,24 +217,94 @@ class Uploads:
         return staged, linked
 
     def _own_dir(self, root: str) -> str:
-        """This session's directory under `root`, locked for its lifetime; the first use of a
-        root also removes the directories of processes that died (their locks are free)."""
+        """This session's directory under `root`, locked for its lifetime."""
         if root not in self._own:
-            os.makedirs(root, exist_ok=True)
-            _sweep(root)
-            while True:
-                own = os.path.join(root, uuid.uuid4().hex)
-                # Crash ordering: the lock is held before the directory exists, so a sweeper that
-                # finds a directory and gets its lock knows that its owner is gone.
-                fd = os.open(own + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if _same_file(fd, own + ".lock"):
-                    break
-                os.close(fd)  # a sweeper took the lock between its creation and our flock
-            os.makedirs(own)
+            own = claim_dir(root)
             with self._cond:
-                self._own[root] = (own, fd)
+                self._own[root] = own
         return self._own[root][0]
+
+
+def claim_dir(root: str) -> tuple[str, int]:
+    """A new directory under `root` and the fd of its flock: the directory is its owner's while
+    the fd is open (a killed process's lock is free). Removes first the directories under
+    `root` whose owner is gone."""
+    os.makedirs(root, exist_ok=True)
+    _sweep(root)
+    while True:
+        own = os.path.join(root, uuid.uuid4().hex)
+        # Crash ordering: the lock is held before the directory exists, so a sweeper that finds
+        # a directory and gets its lock knows that its owner is gone.
+        fd = os.open(own + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _same_file(fd, own + ".lock"):
+            break
+        os.close(fd)  # a sweeper took the lock between its creation and our flock
+    os.makedirs(own)
+    return own, fd
+
+
+# -- staging_dir: where a rank writes a checkpoint before report() -----------------------------
+
+RAM_ROOTS = ("/dev/shm",)  # memory-backed filesystems, where they exist
+_process_dirs: dict[str, str] = {}  # staging root -> this process's directory (locked until exit)
+_process_dirs_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def staging_dir(size_bytes: Optional[int] = None) -> Iterator[str]:
+    """A new empty directory to write a checkpoint's files into before report(); removed when
+    the block ends (a killed process's is removed by the next process that uses one).
+
+    Given `size_bytes`, about what will be written, the directory is in memory (/dev/shm) when
+    that times (MAX_IN_FLIGHT + 1) fits in half of the memory free there: writing the files then
+    costs what serialising in memory does, and never waits for a disk that is still busy with
+    the previous checkpoints. Otherwise, and without `size_bytes`, it is under the temporary
+    directory. With checkpoint_upload_mode="async", report() snapshots the files with hard
+    links on the same filesystem, so the block may end right after report()."""
+    if size_bytes is not None and (not isinstance(size_bytes, int) or size_bytes < 0):
+        raise SessionError(
+            f"staging_dir(size_bytes={size_bytes!r}): give the checkpoint's size in bytes (an "
+            "int >= 0), or None for a directory on disk"
+        )
+    root = os.path.join(_ram_root(size_bytes) or tempfile.gettempdir(), STAGING)
+    with _process_dirs_lock:
+        if root not in _process_dirs:
+            try:  # the lock's fd stays open with the process
+                _process_dirs[root] = claim_dir(root)[0]
+            except OSError:  # the root is another user's: a directory of our own, unswept
+                _process_dirs[root] = tempfile.mkdtemp(prefix=STAGING + "-", dir=os.path.dirname(root))
+    path = tempfile.mkdtemp(prefix="checkpoint-", dir=_process_dirs[root])
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _ram_root(size_bytes: Optional[int]) -> Optional[str]:
+    if size_bytes is None:
+        return None
+    for root in RAM_ROOTS:
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            continue
+        free = min(st.f_bavail * st.f_frsize, _memory_available())
+        if os.access(root, os.W_OK) and size_bytes * (MAX_IN_FLIGHT + 1) <= free // 2:
+            return root
+    return None
+
+
+def _memory_available() -> int:
+    """MemAvailable from /proc/meminfo (a tmpfs's size may exceed the memory that is free)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -267,6 +267,64 @@ def test_a_killed_process_leaves_a_snapshot_that_the_next_session_removes(tmp_pa
     assert os.listdir(root) == []
 
 
+# -- staging_dir ---------------------------------------------------------------------------------
+
+
+def test_staging_dir_is_in_memory_when_the_checkpoint_fits_and_is_removed_after(tmp_path):
+    with ft_train.staging_dir(2**20) as d:
+        assert d.startswith("/dev/shm/"), d  # this machine has a tmpfs there with room
+        Path(d, "model.pt").write_bytes(b"x" * 2**20)
+    assert not os.path.exists(d)
+    for size in (None, 2**60):  # no size given, or more than fits: on disk
+        with ft_train.staging_dir(size) as d:
+            assert Path(d).is_relative_to(tempfile.gettempdir()) and os.listdir(d) == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with ft_train.staging_dir(2**20) as d:
+            raise RuntimeError("boom")
+    assert not os.path.exists(d)
+    for bad in (-1, 1.5, "1GB"):
+        with pytest.raises(ft_train.SessionError, match="size_bytes"):
+            with ft_train.staging_dir(bad):
+                pass
+
+
+def test_a_checkpoint_in_the_staging_dir_uploads_async_from_a_hard_linked_snapshot(storage):
+    st = GatedStorage(storage.path, storage.options)
+    msgs: list[dict] = []
+    session = Session(spec(st), msgs.append)
+    data = os.urandom(2**20)
+    with ft_train.staging_dir(len(data)) as d:
+        Path(d, "model.pt").write_bytes(data)
+        session.report({"loss": 1.0}, Checkpoint.from_directory(d), checkpoint_upload_mode="async")
+        assert os.stat(Path(d, "model.pt")).st_nlink == 2  # linked in memory, not copied to disk
+    wait_for(lambda: st.started, 30, "the upload to start")
+    assert msgs == []
+    st.gate.set()
+    session.finish()
+    dir_name = checkpoint_dir_name(1, 0, ATTEMPT_ID)
+    assert msgs[0]["files"] == {"model.pt": digest(data)}
+    assert st.read_bytes(f"run/{dir_name}/model.pt") == data
+    session.close()
+
+
+def _stage_then_die() -> None:  # in a child process
+    with ft_train.staging_dir(2**20) as d:
+        Path(d, "model.pt").write_bytes(b"x" * 2**20)
+        print(d, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_process_staging_dir_is_removed_by_the_next_process_that_stages():
+    run = lambda code: subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,  # noqa: E731
+                                      capture_output=True, env=dict(os.environ, PYTHONPATH=REPO))
+    proc = run("from tests.test_report_path import _stage_then_die as f; f()")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = Path(proc.stdout.strip())
+    assert (left / "model.pt").stat().st_size == 2**20  # 1 MB of memory, until someone sweeps
+    assert run("import ft_train\nwith ft_train.staging_dir(2**20): pass").returncode == 0
+    assert not left.parent.exists()  # the dead process's directory, with what it held
+
+
 # -- the agreement, one report later, over gloo ----------------------------------------------------
 
 
