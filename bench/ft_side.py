@@ -27,6 +27,9 @@ class FtApi(Api):
     system = "ft-train"
     async_owns_dir = False  # report() snapshots the directory; the loop deletes it
 
+    def __init__(self, staging: bool = True):
+        self.staging = staging  # False: save into a plain temporary directory, as Ray's side does
+
     def rank(self) -> int:
         return ft_train.get_context().get_world_rank()
 
@@ -46,6 +49,16 @@ class FtApi(Api):
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ft_train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=mode)
 
+    @contextlib.contextmanager
+    def save_dir(self, nbytes: int, taken_over: bool) -> Iterator[str]:
+        """ft_train.staging_dir: in memory where the checkpoint fits there, else on disk."""
+        if not self.staging:
+            with super().save_dir(nbytes, taken_over) as d:
+                yield d
+            return
+        with ft_train.staging_dir(nbytes) as d:
+            yield d
+
     def wait_committed(self, config: dict, step: int) -> None:
         """ft-train has no worker-side call for it: poll the stored run state (bounded)."""
         run = config["run"]
@@ -60,7 +73,7 @@ class FtApi(Api):
 
 
 def train_loop(config: dict) -> None:
-    run_loop(config, FtApi())
+    run_loop(config, FtApi(staging=config.get("staging", True)))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -203,7 +216,7 @@ def cold_start(p: dict) -> dict:
 def steady(p: dict) -> dict:
     """Report metrics every step; steps/s and report() blocking time."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    run = call_flow("steady", {"steps": p["steps"], "events": events, "report_every": 1}, p)
+    run = call_flow("steady", {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)}, p)
     return {"run": run, "events": read_events(events)}
 
 
@@ -218,6 +231,7 @@ def checkpoint(p: dict) -> dict:
         "upload": p["mode"],
         "serialise": True,
         "settle": True,
+        "staging": p.get("staging", True),
     }
     run = call_flow(f"ckpt-{uuid.uuid4().hex[:6]}", cfg, p)
     return {"run": run, "events": read_events(events)}

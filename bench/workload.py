@@ -12,6 +12,7 @@ the harness, the driver and the ranks share one clock; durations inside a rank u
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -20,7 +21,7 @@ import signal
 import statistics
 import tempfile
 import time
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -89,6 +90,15 @@ class Api:
         """Block until the checkpoint reported at `step` is committed (before a fault fires, so
         that every system restores the same checkpoint)."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def save_dir(self, nbytes: int, taken_over: bool) -> Iterator[str]:
+        """A fresh directory to save a checkpoint of `nbytes` into, removed after report()
+        unless the system took it over. Default: a temporary directory, as Ray's guide does."""
+        d = tempfile.mkdtemp(prefix="bench-ckpt-")
+        yield d
+        if not taken_over:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _pad(nbytes: int) -> torch.Tensor:
@@ -192,14 +202,13 @@ def run_loop(config: dict, api: Api) -> None:
             elif step == every and config.get("serialise") and rank == 0:
                 ev.emit("serialise", s=serialise_s(checkpoint_state(model, opt, step, pad)))
             t0 = time.perf_counter()
-            d = tempfile.mkdtemp(prefix="bench-ckpt-")
-            if rank == 0:
-                torch.save(checkpoint_state(model, opt, step, pad), os.path.join(d, "state.pt"))
-            t1 = time.perf_counter()
-            api.report(metrics, d if rank == 0 else None, mode)
-            t2 = time.perf_counter()
-            if not (mode == "async" and api.async_owns_dir and rank == 0):
-                shutil.rmtree(d, ignore_errors=True)
+            taken_over = mode == "async" and api.async_owns_dir and rank == 0
+            with api.save_dir(config.get("checkpoint_bytes", 0), taken_over) as d:
+                if rank == 0:
+                    torch.save(checkpoint_state(model, opt, step, pad), os.path.join(d, "state.pt"))
+                t1 = time.perf_counter()
+                api.report(metrics, d if rank == 0 else None, mode)
+                t2 = time.perf_counter()
             t3 = time.perf_counter()
             ev.emit("ckpt", step=step, save_s=t1 - t0, report_s=t2 - t1, cleanup_s=t3 - t2,
                     stall_s=t3 - t0, mode=mode)
