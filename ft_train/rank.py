@@ -74,7 +74,7 @@ class DaskSender:
     with it the round's commit. `close()` hands over what is left and returns once the event
     loop has taken it, before the rank's task returns."""
 
-    def __init__(self, topic: str, interval_s: float = 0.05):
+    def __init__(self, topic: str, interval_s: float = 0.005):
         from distributed import get_worker
         from tornado.ioloop import PeriodicCallback
 
