@@ -236,6 +236,7 @@ PUBLIC_API = [
     "get_context",
     "get_preemption_info",
     "report",
+    "staging_dir",
 ]
 
 
