@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 from prefect import Flow
 
 import ft_train
-from ft_train.cluster import start_forkserver
+from ft_train.cluster import Ahead, start_forkserver
 from ft_train.driver import make_controller
 from tasks import finalize, prepare_run, provision_workers, train_segment
 
@@ -57,11 +57,13 @@ def train_fn(
 
 
 class _TrainFlow(Flow):
-    """The flow, and one thing more for a Python call on a local CPU cluster: the fork server
-    that its workers fork from starts importing torch at once, while Prefect starts its API
-    (seconds each in ephemeral mode). Deployment runs start it with the cluster."""
+    """The flow, and one thing more for a Python call on a local CPU cluster: that cluster starts
+    on a thread at once (its workers fork from a server that imports torch), while Prefect
+    starts its API (seconds each in ephemeral mode); the flow's run takes it over. Deployment
+    runs start it in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ahead = None
         with contextlib.suppress(Exception):  # bad input fails in the flow, as without this
             call = inspect.signature(self.fn).bind(*args, **kwargs)
             call.apply_defaults()
@@ -69,7 +71,12 @@ class _TrainFlow(Flow):
             scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
             if cluster.address is None and not scaling.use_gpu:
                 start_forkserver()
-        return super().__call__(*args, **kwargs)
+                ahead = Ahead(cluster, scaling)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            if ahead is not None:
+                ahead.drop()  # closes it if the run did not take it
 
 
 train = _TrainFlow(train_fn, name="ft-train", flow_run_name="{run_config.name}")

@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import threading
+from concurrent.futures import Future
 from typing import Iterator, Optional
 
 import dask
@@ -155,36 +156,91 @@ def _quiet_dask() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig, env: dict[str, str]) -> SpecCluster:
-    """Started under DASK_SETTINGS and the start method (by dask_client)."""
+@contextlib.contextmanager
+def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[SpecCluster]:
+    """A local cluster, under DASK_SETTINGS and its workers' start method for its whole life
+    (nannies read them each time they start a worker); closed on exit."""
     n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else SPARE_WORKERS)
-    if scaling.use_gpu:
-        return _gpu_cluster(n)
-    return LocalCluster(
-        n_workers=n,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        # None still tries port 8787 and warns when it is taken; bind loopback
-        dashboard_address=None,
-        scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
-        memory_limit=0,
-        silence_logs=logging.ERROR,
-        env=env,
-    )
+    method, env = ("spawn", {}) if scaling.use_gpu else _worker_start()
+    settings = {**DASK_SETTINGS, "distributed.worker.multiprocessing-method": method}
+    with dask.config.set(settings), _quiet_dask():
+        if scaling.use_gpu:
+            local = _gpu_cluster(n)
+        else:
+            local = LocalCluster(
+                n_workers=n,
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                # None still tries port 8787 and warns when it is taken; bind loopback
+                dashboard_address=None,
+                scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                memory_limit=0,
+                silence_logs=logging.ERROR,
+                env=env,
+            )
+        with local:
+            yield local
+
+
+class Ahead:
+    """A local CPU cluster started on a thread ahead of its run: a Python call of the flow starts
+    it while Prefect starts its API, and the run's `dask_client` takes it over (with the settings
+    it lives under). `drop()` closes it if no run took it (a finished run, bad input)."""
+
+    def __init__(self, cluster: ClusterConfig, scaling: ScalingConfig):
+        self.key = (cluster.n_workers, scaling.max_workers)
+        self.stack = contextlib.ExitStack()
+        self.future: Future[SpecCluster] = Future()
+        with _ahead_lock:
+            _ahead.append(self)
+        threading.Thread(target=self._start, args=(cluster, scaling), name="ft-train-cluster-ahead",
+                         daemon=True).start()
+
+    def _start(self, cluster: ClusterConfig, scaling: ScalingConfig) -> None:
+        try:
+            self.future.set_result(self.stack.enter_context(_local_cluster(cluster, scaling)))
+        except BaseException as e:  # the run that takes it raises it
+            self.future.set_exception(e)
+
+    def drop(self) -> None:
+        with _ahead_lock:
+            if self not in _ahead:
+                return  # a run took it: that run closes it
+            _ahead.remove(self)
+        with contextlib.suppress(BaseException):
+            self.future.result()
+        self.stack.close()
+
+
+_ahead: list[Ahead] = []
+_ahead_lock = threading.Lock()
+
+
+def _take_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Optional[Ahead]:
+    key = (cluster.n_workers, scaling.max_workers)
+    with _ahead_lock:
+        for ahead in _ahead:
+            if ahead.key == key:
+                _ahead.remove(ahead)
+                return ahead
+    return None
 
 
 @contextlib.contextmanager
 def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Client]:
-    """A client for the run; a cluster started here is closed on exit."""
-    with dask.config.set(DASK_SETTINGS), contextlib.ExitStack() as stack:
-        stack.enter_context(_quiet_dask())
+    """A client for the run; a cluster started here (or ahead, for this run) is closed on exit."""
+    with contextlib.ExitStack() as stack:
         if cluster.address is not None:
+            stack.enter_context(dask.config.set(DASK_SETTINGS))
+            stack.enter_context(_quiet_dask())
             client = stack.enter_context(Client(cluster.address, set_as_default=False))
         else:
-            method, env = ("spawn", {}) if scaling.use_gpu else _worker_start()
-            # for the cluster's whole life: nannies read it each time they start a worker
-            stack.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": method}))
-            local = stack.enter_context(_local_cluster(cluster, scaling, env))
+            ahead = None if scaling.use_gpu else _take_ahead(cluster, scaling)
+            if ahead is not None:
+                stack.enter_context(ahead.stack)  # its settings and its close, now the run's
+                local = ahead.future.result()
+            else:
+                local = stack.enter_context(_local_cluster(cluster, scaling))
             client = stack.enter_context(Client(local, set_as_default=False))
         yield client

@@ -61,29 +61,45 @@ def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(mo
 DRIVER = """
 import json, sys
 sys.path.insert(0, {repo!r})
+import psutil
 import ft_train
 from ft_train import cluster
 from flows.train import train
 
-out = {{}}
-for name, kw in (("address", {{"address": "tcp://127.0.0.1:9"}}), ("local", {{}})):
+taken, take = [], cluster._take_ahead
+cluster._take_ahead = lambda *a: taken.append(take(*a)) or taken[-1]  # observe, not replace
+
+def call(name, train_loop, **cluster_kw):
     try:
-        train(train_loop="no_such_module_ft:fn",  # fails in the flow, before any worker starts
+        train(train_loop=train_loop, train_loop_config={{"n": 3}},
+              scaling_config=ft_train.ScalingConfig(num_workers=2),
               run_config=ft_train.RunConfig(name=name, storage_path={storage!r}),
-              cluster=ft_train.ClusterConfig(**kw))
+              cluster=ft_train.ClusterConfig(**cluster_kw))
+        error = None
     except Exception as e:
-        out[name] = [type(e).__name__, cluster._forkserver_env is not None]
+        error = type(e).__name__
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if "forkserver" not in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+    return [error, cluster._forkserver_env is not None, [t is not None for t in taken], len(workers)]
+
+out = {{}}
+out["address"] = call("address", "no_such_module_ft:fn", address="tcp://127.0.0.1:9")
+out["bad_loop"] = call("bad-loop", "no_such_module_ft:fn")  # fails in the flow, before any worker
+taken.clear()
+out["trains"] = call("trains", "tests.loops:report_many")
 print(json.dumps(out))
 """
 
 
-def test_a_python_call_of_the_flow_starts_the_fork_server_before_the_flow_runs(prefect_api, tmp_path):
-    """The fork server imports torch while Prefect starts; only for a local cluster."""
+def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(prefect_api, tmp_path):
+    """The cluster (forking from a server that imports torch) starts while Prefect starts; a run
+    on an existing cluster starts nothing, and a call that fails early leaves nothing running."""
     script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["address"] == ["TrainLoopImportError", False], out  # an existing cluster: nothing started
-    assert out["local"] == ["TrainLoopImportError", True], out
+    assert out["address"] == ["TrainLoopImportError", False, [], 0], out  # nothing started
+    assert out["bad_loop"] == ["TrainLoopImportError", True, [], 0], out  # started, then closed
+    assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
