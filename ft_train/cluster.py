@@ -67,9 +67,11 @@ _forkserver_lock = threading.Lock()
 
 def _spawn_environ() -> dict[str, str]:
     """The environment a worker spawned now would start in: the driver's, with the variables
-    a nanny sets before it starts a worker (read under DASK_SETTINGS)."""
+    a nanny sets before it starts a worker (under DASK_SETTINGS)."""
     env = dict(os.environ)
-    for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items():
+    with dask.config.set(DASK_SETTINGS):  # a copy: leaving the block restores the dict itself
+        pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    for k, v in pre_spawn.items():
         if v is not None:
             env.setdefault(k, str(v))
     if env.get("PYTHONHASHSEED") in (None, "0"):  # as the nanny does: one hash seed for all
@@ -84,7 +86,7 @@ def start_forkserver() -> bool:
     that the imports overlap Prefect's start. False if a fork server that this module did not
     start runs already (its imports and environment are unknown: workers are spawned then)."""
     global _forkserver_env
-    with dask.config.set(DASK_SETTINGS), _forkserver_lock:
+    with _forkserver_lock:
         if _forkserver_env is not None:
             return True
         server = multiprocessing.forkserver._forkserver

@@ -22,6 +22,7 @@ def probe() -> dict:
         "var": os.environ.get("FT_TEST_VAR"),
         "region": os.environ.get("AWS_DEFAULT_REGION"),
         "omp": os.environ.get("OMP_NUM_THREADS"),
+        "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
     }
 
 
@@ -42,6 +43,7 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
         assert w["torch_loaded"], w
         assert w["var"] == value, w
         assert w["omp"] == "1", w  # Dask's pre-spawn variables, as with spawned workers
+        assert w["malloc_trim"] is None, w  # but not the one ft-train unsets (throughput)
 
 
 def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
