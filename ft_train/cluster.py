@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import multiprocessing.forkserver
 import os
 import threading
@@ -69,8 +68,9 @@ def _spawn_environ() -> dict[str, str]:
     """The environment a worker spawned now would start in: the driver's, with the variables
     a nanny sets before it starts a worker (under DASK_SETTINGS)."""
     env = dict(os.environ)
-    with dask.config.set(DASK_SETTINGS):  # a copy: leaving the block restores the dict itself
-        pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    prefix = "distributed.nanny.pre-spawn-environ."
+    pre_spawn = dict(dask.config.get(prefix[:-1]))  # read, not set: other threads share the config
+    pre_spawn.update({k[len(prefix):]: v for k, v in DASK_SETTINGS.items() if k.startswith(prefix)})
     for k, v in pre_spawn.items():
         if v is not None:
             env.setdefault(k, str(v))
