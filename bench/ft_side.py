@@ -91,33 +91,9 @@ def storage_target(p: dict) -> tuple[str, dict]:
     return f"s3://{bucket}/runs", opts
 
 
-def what_if(p: dict):
-    """Settings ft-train does not have (yet), to size a proposed fix; never used by bench.run.
-    forkserver_preload: Dask workers fork from a server that imported these modules;
-    n_workers: the local cluster's size (a warm spare beside the ranks);
-    no_malloc_trim: worker processes without Dask's MALLOC_TRIM_THRESHOLD_=65536."""
-    w = p.get("what_if") or {}
-    if w.get("no_malloc_trim"):
-        import dask
-
-        key = "distributed.nanny.pre-spawn-environ"
-        env = {k: v for k, v in dask.config.get(key).items() if k != "MALLOC_TRIM_THRESHOLD_"}
-        dask.config.set({key: env})
-    if w.get("forkserver_preload"):
-        import dask
-        from distributed.utils import get_mp_context
-
-        dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-        get_mp_context().set_forkserver_preload(w["forkserver_preload"])
-    if w.get("n_workers"):
-        return ft_train.ClusterConfig(n_workers=w["n_workers"])
-    return None
-
-
 def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int = 1) -> dict:
     from flows.train import train
 
-    cluster = cluster or what_if(p)
     path, opts = storage_target(p)
     config = {**config, "run": {"path": path, "options": opts, "name": name}}
     t_call = time.time()
