@@ -26,9 +26,30 @@ def probe() -> dict:
     }
 
 
+def allocates_from_main_heap() -> bool:
+    """Run as a Dask task, on a worker's executor thread, where a rank trains: whether a block
+    of 64 KiB (past the thread's cache, under glibc's mmap threshold) comes from the process's
+    main heap rather than an arena of the thread's own (see cluster.DASK_SETTINGS)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    block = libc.malloc(64 * 1024)
+    try:
+        with open("/proc/self/maps") as f:
+            heap = [line.split()[0] for line in f if line.rstrip().endswith("[heap]")]
+        return any(int(lo, 16) <= block < int(hi, 16) for lo, hi in (r.split("-") for r in heap))
+    finally:
+        libc.free(block)
+
+
 def workers() -> list[dict]:
     with cluster.dask_client(ClusterConfig(), ScalingConfig(num_workers=2)) as client:
-        return list(client.run(probe).values())
+        seen = client.run(probe)
+        on_main_heap = client.gather([
+            client.submit(allocates_from_main_heap, workers=[w], pure=False) for w in seen
+        ])
+        return [dict(w, main_heap=m) for w, m in zip(seen.values(), on_main_heap)]
 
 
 def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_environment(monkeypatch):
@@ -44,6 +65,7 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
         assert w["var"] == value, w
         assert w["omp"] == "1", w  # Dask's pre-spawn variables, as with spawned workers
         assert w["malloc_trim"] is None, w  # but not the one ft-train unsets (throughput)
+        assert w["main_heap"], w  # a rank's thread has no arena of its own (throughput)
 
 
 def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
@@ -55,6 +77,7 @@ def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(mo
     for w in seen:
         assert w["ppid"] == os.getpid(), w  # spawned by the nanny in this process
         assert w["region"] is None, w  # a forked worker would still have it
+        assert w["main_heap"], w
     monkeypatch.undo()
     method, env = cluster._worker_start()
     assert method == "forkserver" and "AWS_DEFAULT_REGION" not in env
