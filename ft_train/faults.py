@@ -21,17 +21,34 @@ class InjectedFault(RuntimeError):
     """The exception a "raise" fault throws."""
 
 
+# The kinds that hold the rank at a point where a test acts (kills its node, its driver, sends
+# SIGTERM, changes the cluster) once the marker exists.
+GATES = ("wait", "until_file", "until_preempted")
+
+
+def _hand_over_reports() -> None:
+    """Before a gate: hand the rank's queued reports to the driver (they go in batches,
+    `rank.DaskSender`), so that when the test acts the driver has every report the rank made."""
+    from . import session
+
+    flush = getattr(getattr(session._session, "send", None), "flush", None)
+    if flush is not None:
+        flush()
+
+
 def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) -> None:
     for fault in faults or ():
         if fault["rank"] != rank or fault["step"] != step:
             continue
+        kind = fault.get("kind", "raise")
+        if kind in GATES:
+            _hand_over_reports()
         marker = fault.get("marker")
         if marker is not None:
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 continue  # fired before
-        kind = fault.get("kind", "raise")
         if kind == "raise":
             raise InjectedFault(f"injected fault on rank {rank} at step {step}")
         if kind == "kill":
