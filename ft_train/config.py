@@ -85,7 +85,15 @@ class FailureConfig(_Config):
         30.0,
         ge=0,
         description="How long a worker told to leave stays, for the ranks to save a "
-        "just-in-time checkpoint (they learn of it one report() after the worker does).",
+        "just-in-time checkpoint (they learn of it within agreement_interval_s of reports).",
+    )
+    agreement_interval_s: float = Field(
+        0.25,
+        ge=0,
+        description="The ranks agree on what they must all learn at the same report() (a worker "
+        "leaving, the driver's stop) at reports about this far apart (at most 16 reports): they "
+        "learn of it within this long, plus one report. 0: at every report(), which costs "
+        "~0.3 ms a report on a busy CPU.",
     )
     hang_timeout_s: Optional[float] = Field(
         1800.0,

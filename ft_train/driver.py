@@ -125,6 +125,7 @@ def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.i
         use_gpu=plan.scaling.use_gpu,
         start_timeout_s=plan.scaling.worker_start_timeout_s,
         collective_timeout_s=plan.run_config.failure_config.collective_timeout_s,
+        agreement_interval_s=plan.run_config.failure_config.agreement_interval_s,
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     return Controller(

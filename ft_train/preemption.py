@@ -6,14 +6,15 @@ deadline unless the driver has released it sooner. A worker retired through the 
 (`Client.retire_workers`) gets the same notice: the driver sends it when the scheduler reports
 the worker's removal, and the plugin's teardown keeps the closing worker's process until its
 rank has left or the notice runs out. Every rank learns of the notice at the same
-`report()` boundary: each report all-reduces the ranks' local notices over a small gloo group,
+`report()` boundary: reports all-reduce the ranks' local notices over a small gloo group,
 so the training function can save a just-in-time checkpoint that is committed before the worker
 leaves. The restart that follows is charged to `max_preemption_failures`, not `max_failures`.
 
 The same agreement carries the driver's request to stop a healthy group (`request_stop`, used to
 grow an elastic group): every rank then leaves its training function at the same report, and
 keeps its process. `report()` starts the agreement in the background and reads it at the next
-report, so what the ranks learn at report k+1 is what they knew at report k.
+report, so what the ranks learn at report k+1 is what they knew at report k; with reports close
+together, only every few reports (`FailureConfig.agreement_interval_s`, `session._start_agreement`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ TOPIC = "ft-train-preemption"
 
 # This process's notice: the epoch time by which its worker leaves. Set by the signal handler.
 _deadline: Optional[float] = None
-# The attempt whose ranks the driver asked to stop (they leave one report later, all together).
+# The attempt whose ranks the driver asked to stop (they leave at the same later report, all together).
 _stop_for: Optional[str] = None
 
 
@@ -120,25 +121,33 @@ class Agreement:
     stop: bool  # the driver asked the group to stop
     any_finished: bool  # some rank has returned from its training function
     all_finished: bool
+    every: int  # the next agreement starts this many reports later
+    same_index: bool  # every rank started it at the same report index
 
 
 class PendingAgreement:
-    """One report's agreement: the ranks' flags, all-reduced (MAX) in the background over the
-    control group; `result()` waits for it. Every rank starts one at its k-th report, so every
-    rank reads the same one."""
+    """One agreement: the ranks' flags, all-reduced (MAX) in the background over the control
+    group; `result()` waits for it. Every rank starts one at the same report index, so every
+    rank reads the same one. `every`: this rank's proposal for how many reports later the next
+    one starts (the group takes the largest)."""
 
-    def __init__(self, control_group, rank: int, world_size: int, attempt_id: str, finished: bool):
+    def __init__(
+        self, control_group, rank: int, world_size: int, attempt_id: str, finished: bool,
+        every: int = 1, index: int = 0,
+    ):
         import torch
         import torch.distributed as dist
 
         w = self.world_size = world_size
-        flags = [0.0] * (w + 4)  # a list first: a tensor's item assignments cost ~10 us each
+        flags = [0.0] * (w + 7)  # a list first: a tensor's item assignments cost ~10 us each
         flags[w] = float("-inf") if _deadline is None else -_deadline  # -earliest deadline
         if _deadline is not None:
             flags[rank] = 1.0
         flags[w + 1] = 1.0 if _stop_for == attempt_id else 0.0
         flags[w + 2] = 1.0 if finished else 0.0  # any rank finished
         flags[w + 3] = 0.0 if finished else 1.0  # any rank not finished
+        flags[w + 4] = float(every)
+        flags[w + 5], flags[w + 6] = float(index), -float(index)  # the highest and the lowest
         self.flags = torch.tensor(flags, dtype=torch.float64)
         self.work = None
         if w > 1:
@@ -152,11 +161,17 @@ class PendingAgreement:
         w, flags = self.world_size, self.flags.tolist()
         ranks = tuple(r for r in range(w) if flags[r])
         info = PreemptionInfo(ranks, -flags[w]) if ranks else None
-        return Agreement(info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3])
+        return Agreement(
+            info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3],
+            every=int(flags[w + 4]), same_index=flags[w + 5] == -flags[w + 6],
+        )
 
 
 def agree(
-    control_group, rank: int, world_size: int, attempt_id: str, finished: bool = False
+    control_group, rank: int, world_size: int, attempt_id: str, finished: bool = False,
+    index: int = 0,
 ) -> Agreement:
     """The agreement, waited for."""
-    return PendingAgreement(control_group, rank, world_size, attempt_id, finished).result()
+    return PendingAgreement(
+        control_group, rank, world_size, attempt_id, finished, index=index
+    ).result()

@@ -45,6 +45,7 @@ class GroupPlan:
     use_gpu: bool
     start_timeout_s: float
     collective_timeout_s: float = 1800.0
+    agreement_interval_s: float = 0.0
     elastic_wait_s: float = 0.0
 
 
@@ -148,6 +149,7 @@ class WorkerGroup:
                 start_report_index=start_report_index,
                 topic=self.topic,
                 collective_timeout_s=plan.collective_timeout_s,
+                agreement_interval_s=plan.agreement_interval_s,
             )
             fut = self.client.submit(
                 run_rank,
@@ -192,7 +194,7 @@ class WorkerGroup:
         return "node_loss"
 
     def request_stop(self) -> None:
-        """Ask every rank to leave its training function (one report later, all at the same one)."""
+        """Ask every rank to leave its training function (at the same later report, all of them)."""
         self.client.run(preemption.request_stop, self.attempt_id, workers=self.addresses)
 
     def release(self) -> None:

@@ -324,7 +324,11 @@ def drive(args: dict) -> ft_train.TrainResult:
             name=args["name"],
             storage_path=args["storage_path"],
             storage_options=args["storage_options"],
-            failure_config=ft_train.FailureConfig(max_failures=-1, hang_timeout_s=HANG_TIMEOUT_S),
+            # agreement_interval_s=0: a notice lands at the very next report (the schedule's
+            # report indices count on it)
+            failure_config=ft_train.FailureConfig(
+                max_failures=-1, hang_timeout_s=HANG_TIMEOUT_S, agreement_interval_s=0
+            ),
         ),
         cluster=ft_train.ClusterConfig(**args.get("cluster", {})),
     )

@@ -7,6 +7,7 @@ flow on a local Dask cluster, with faults at (rank, step)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -28,7 +29,7 @@ from ft_train import preemption
 from ft_train.checkpoint import MANIFEST, Checkpoint
 from ft_train.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
 from ft_train.rank import free_port
-from ft_train.session import RankSpec, Session
+from ft_train.session import AGREE_EVERY_MAX, RankSpec, Session
 from ft_train.storage import Storage, file_digest
 from ft_train.uploads import Uploads
 from tests.helpers import load_state, wait_for
@@ -333,11 +334,31 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     msgs: list[dict] = []
-    session = Session(spec(Storage(tempfile.mkdtemp()), rank, 2), msgs.append)
+    paced = script.endswith("_paced")  # a report every ~5 ms, agreements every ~50 ms of them
+    rank_spec = dataclasses.replace(
+        spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=0.05 if paced else 0.0
+    )
+    session = Session(rank_spec, msgs.append)
     session.control = dist.new_group(backend="gloo")
     seen: dict = {"rank": rank}
     try:
-        if script == "notice_then_stop":
+        if script == "notice_then_stop_paced":
+            for k in range(1, 200):
+                if k == 20 and rank == 1:
+                    preemption._deadline = time.time() + 60
+                if k == 60:
+                    preemption.request_stop(ATTEMPT_ID)
+                time.sleep(0.005)
+                session.report({"k": k})
+                if session.preemption is not None and "preempted_at" not in seen:
+                    seen["preempted_at"] = k
+        elif script == "unequal_paced":  # rank 1 reports once more, both between agreements
+            for k in range(1, 41 + rank):
+                time.sleep(0.005)
+                session.report({"k": k})
+            session.finish()
+            seen["finished"] = True
+        elif script == "notice_then_stop":
             for k in range(1, 10):
                 if k == 3 and rank == 1:
                     preemption._deadline = time.time() + 60  # what its SIGTERM handler sets
@@ -357,6 +378,7 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
     except ft_train.SessionError as e:
         seen["error"] = str(e)
     seen["preempted_msgs"] = [m["index"] for m in msgs if "preempted" in m]
+    seen["agreements"] = session.agreements
     out.put(seen)
     dist.destroy_process_group()
 
@@ -390,6 +412,27 @@ def test_unequal_report_counts_fail_both_ranks():
         assert "finished" not in seen[rank], seen
         assert "same number of times" in seen[rank]["error"], seen
     assert "at report 4" in seen[1]["error"]  # its 4th report met rank 0's return
+
+
+def test_with_reports_close_together_the_ranks_agree_less_often_and_still_together():
+    """agreement_interval_s=0.05 with a report every ~5 ms: an agreement every ~10 reports (at
+    most AGREE_EVERY_MAX); a notice at rank 1's 20th report and a stop asked before the 60th
+    still reach both ranks at the same report, within AGREE_EVERY_MAX + 1 reports."""
+    seen = run_two_ranks("notice_then_stop_paced")
+    learned, stopped = seen[0]["preempted_at"], seen[0]["stopped_at"]
+    assert 20 < learned <= 20 + AGREE_EVERY_MAX + 1, seen
+    assert 60 < stopped <= 60 + AGREE_EVERY_MAX + 1, seen
+    for rank in (0, 1):
+        assert (seen[rank]["preempted_at"], seen[rank]["stopped_at"]) == (learned, stopped), seen
+        assert seen[rank]["preempted_msgs"] == [learned], seen
+        assert seen[rank]["agreements"] <= stopped // 3, seen  # not one a report
+
+
+def test_unequal_report_counts_between_agreements_fail_both_ranks():
+    seen = run_two_ranks("unequal_paced")
+    for rank in (0, 1):
+        assert "finished" not in seen[rank], seen
+        assert "same number of times" in seen[rank]["error"], seen
 
 
 # -- through the flow, on a local Dask cluster ---------------------------------------------------
