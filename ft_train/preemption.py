@@ -52,7 +52,7 @@ def give_notice(deadline: float) -> None:
 
 
 def request_stop(attempt_id: str) -> None:
-    """Run on a worker (Client.run): the ranks leave one report() later, all at the same one."""
+    """Run on a worker (Client.run): the ranks leave at a later report(), all at the same one."""
     global _stop_for
     _stop_for = attempt_id
 
