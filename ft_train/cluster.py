@@ -186,9 +186,18 @@ def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[S
                 memory_limit=0,
                 silence_logs=logging.ERROR,
                 env=env,
+                preload=["ft_train.cluster"],  # dask_setup below, in each worker as it starts
             )
         with local:
             yield local
+
+
+def dask_setup(worker) -> None:
+    """Run by each local CPU worker as it starts (a Dask worker preload). A worker forked from
+    the fork server would start its own processes (a rank's DataLoader workers) through a fork
+    server of its own, which outlives the worker when it is killed, with those processes: they
+    start by spawn, as they did when Dask spawned the workers."""
+    multiprocessing.set_start_method("spawn", force=True)
 
 
 class Ahead:

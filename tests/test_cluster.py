@@ -4,6 +4,7 @@ environment; spawned where forking cannot give that environment."""
 import json
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -128,3 +129,30 @@ def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_ta
     assert out["address"] == ["TrainLoopImportError", False, [], 0], out  # nothing started
     assert out["bad_loop"] == ["TrainLoopImportError", True, [], 0], out  # started, then closed
     assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
+
+
+def pid_of(_batch) -> int:
+    return os.getpid()
+
+
+def loader_worker_pids(n: int) -> list[int]:
+    """Run as a rank would: start a DataLoader with worker processes and keep it."""
+    import torch.utils.data
+
+    loader = torch.utils.data.DataLoader(range(n), num_workers=n, persistent_workers=True,
+                                         collate_fn=pid_of)
+    loader_worker_pids.kept = loader  # its processes live while the rank does
+    return sorted(set(iter(loader)))
+
+
+def test_a_killed_workers_loader_processes_go_with_it():
+    import psutil
+
+    with cluster.dask_client(ClusterConfig(), ScalingConfig(num_workers=1)) as client:
+        (addr, worker_pid), *_ = client.run(os.getpid).items()
+        pids = client.submit(loader_worker_pids, 2, workers=[addr], pure=False).result()
+        assert len(pids) == 2 and worker_pid not in pids
+        os.kill(worker_pid, signal.SIGKILL)
+        # a DataLoader worker checks every 5 s that its parent, the rank's process, lives
+        alive = psutil.wait_procs([psutil.Process(p) for p in pids], timeout=30)[1]
+        assert not alive, f"the loader's processes outlived their rank: {alive}"
