@@ -35,7 +35,7 @@ TOPIC = "ft-train-preemption"
 
 # This process's notice: the epoch time by which its worker leaves. Set by the signal handler.
 _deadline: Optional[float] = None
-# The attempt whose ranks the driver asked to stop (they leave at the same later report, all together).
+# The attempt whose ranks the driver asked to stop (they all leave at the same later report).
 _stop_for: Optional[str] = None
 
 

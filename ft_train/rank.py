@@ -72,9 +72,11 @@ class DaskSender:
     call, and every event costs the scheduler and the driver's client their own handling. Each
     tick takes the GIL from the rank's thread too. With a report every 35 ms step, 50 ms ticks
     instead of 5 ms gave 2-4% more steps a second, and 100 ms (about three reports an event)
-    another 3% (0.95x -> 0.98x of bare DDP); the driver learns of metrics up to 100 ms later. A checkpoint's message goes at once: a rank killed before the next tick would lose
-    it, and with it the round's commit. `close()` hands over what is left and returns once the
-    event loop has taken it, before the rank's task returns."""
+    another 3% in one series; the driver learns of metrics up to 100 ms later. A checkpoint's
+    message goes at once: a rank killed before the next tick would lose it, and with it the
+    round's commit. `flush()` hands over what is queued now (a test's fault gate uses it);
+    `close()` hands over what is left and returns once the event loop has taken it, before the
+    rank's task returns."""
 
     def __init__(self, topic: str, interval_s: float = 0.1):
         from distributed import get_worker
