@@ -1,9 +1,12 @@
 """A driver process for tests that kill the driver: runs the demo flow from JSON arguments."""
 
+import faulthandler
 import json
+import signal
 import sys
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks
     args = json.loads(sys.argv[1])
     sys.path.insert(0, args["repo"])
     import ft_train

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,19 @@ def start_driver(storage, name, config, api_url, tmp_path) -> subprocess.Popen:
     )
 
 
+def wait_exit(driver: subprocess.Popen, timeout_s: float, log: Path) -> int:
+    """The driver's exit code; if it does not exit in time, fail with its threads' stacks."""
+    try:
+        return driver.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        driver.send_signal(signal.SIGUSR1)  # driver_script dumps every thread's stack
+        time.sleep(2)
+        raise AssertionError(
+            f"the driver did not exit {timeout_s:g}s after the signal; the end of its log:\n"
+            + log.read_text(errors="replace")[-12000:]
+        ) from None
+
+
 @pytest.fixture(scope="module")
 def reference_weights(prefect_api, tmp_path_factory):
     """The final weights of an uninterrupted run of the same training (computed once)."""
@@ -60,7 +74,7 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
         )
         wait_for(lambda: os.path.exists(hold["marker"]), 60, "rank 0 to hold at step 10")
         os.killpg(driver.pid, sig)  # Ctrl+C in a terminal also signals the whole group
-        assert driver.wait(timeout=120) != 0
+        assert wait_exit(driver, 120, tmp_path / "driver-victim.log") != 0
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
