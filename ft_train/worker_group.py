@@ -6,7 +6,8 @@ happens to it as events on one thread-safe queue, which the controller consumes:
 
     ("report", attempt, msg)                a rank's report() message
     ("rank_done", attempt, rank, future)    a rank's task ended (finished, erred or cancelled)
-    ("worker_lost", attempt, address)       the scheduler removed a worker that hosts a rank
+    ("worker_lost", attempt, address, expected)     the scheduler removed a worker hosting a rank
+    ("preempt_notice", attempt, address, deadline)  a rank's worker was told to leave
 
 Stopping a failed group kills the surviving ranks' worker processes at once (their nannies start
 fresh ones): a rank blocked in a collective whose peer died cannot be interrupted any other way,
