@@ -264,8 +264,10 @@ def fig_cold_start(s: Suite) -> dict:
 
 def fig_steady(s: Suite, with_ddp: bool) -> dict:
     """Metrics reported every step. ft-train and bare DDP alternate (the machine's load drifts);
-    each system's figure is the median over its runs."""
-    steps, reps = (100, 1) if s.quick else (300, 3)
+    each system's figure is the median over its runs, and each ft-train run is also compared
+    with the bare DDP run just before it (`pairs`): the same code gave medians from 0.96x to
+    0.98x over four series of 3 to 5 pairs on one evening, so one series is not the last word."""
+    steps, reps = (100, 1) if s.quick else (300, 5)
     # Ray's report() waits for the controller's 2 s poll once its one-slot queue is full, so a
     # Ray step that reports costs ~2 s: fewer steps there, the rate is what is compared.
     ray_steps = 12 if s.quick else 30
@@ -278,14 +280,18 @@ def fig_steady(s: Suite, with_ddp: bool) -> dict:
     if with_ddp:
         runs["ray-no-report"].append(s.child(RAY, "steady", {"steps": steps, "report_every": 0}))
     out: dict[str, Any] = {}
+    rate = {system: [W.throughput(r.get("events", []), warmup=3 if system == "ray" else 10) for r in rs]
+            for system, rs in runs.items()}
     for system, rs in runs.items():
         if not rs:
             continue
-        rates = [W.throughput(r.get("events", []), warmup=3 if system == "ray" else 10) for r in rs]
+        rates = rate[system]
         rates = sorted(x for x in rates if x is not None)
         events = [e for r in rs for e in r.get("events", [])]
         out[system] = {"steps_per_s": rates[len(rates) // 2] if rates else None, "runs_steps_per_s": rates,
                        "report": W.report_stats(events), "error": next((r["error"] for r in rs if "error" in r), None)}
+    if with_ddp:
+        out["pairs"] = [ft / ddp for ft, ddp in zip(rate["ft-train"], rate["ddp"]) if ft and ddp]
     return out
 
 
@@ -391,6 +397,9 @@ def rows(figs: dict) -> list[dict]:
         row("steady-state throughput, report() every step", "steps/s", ft, ray,
             ">= 0.98x bare DDP", cmp(r, 0.98, le=False),
             f"bare DDP {_f(ddp, 'steps/s')}; ft-train/DDP {r:.3f}" if r else "")
+        if f.get("pairs"):
+            out[-1]["note"] += "; each ft-train run / the DDP run before it: " + ", ".join(
+                f"{x:.3f}" for x in f["pairs"])
         nr = f.get("ray-no-report", {}).get("steps_per_s")
         if nr:
             out[-1]["note"] += f"; Ray without per-step report() {_f(nr, 'steps/s')} ({nr / ddp:.3f}x DDP)"
