@@ -2,7 +2,8 @@
 
 A fault is a dict in the training function's config, e.g.
     {"rank": 1, "step": 7, "kind": "raise", "marker": "/tmp/x/fault-1"}
-Kinds: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "wait" (block until
+Kinds: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "freeze" (SIGSTOP of
+it: every thread stops, its Dask worker's too, as on a machine that hangs), "wait" (block until
 the process is killed: a hang, or a point at which to kill a driver), "until_preempted" (block
 until this rank's worker is told to leave: a point at which to send it SIGTERM), "until_file"
 (block until the file `path` exists: a point at which a test changes the cluster). With a `marker` path the fault fires
@@ -53,6 +54,9 @@ def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) 
             raise InjectedFault(f"injected fault on rank {rank} at step {step}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued (SIGCONT): the rank goes on
         if kind == "wait":
             threading.Event().wait()  # until this process is killed
         if kind == "until_file":  # until the test creates fault["path"]

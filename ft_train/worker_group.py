@@ -16,6 +16,7 @@ and waiting for the collective timeout would take up to 30 minutes.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -34,6 +35,8 @@ from .rank import free_port, run_rank
 from .session import RankSpec
 from .storage import Storage
 
+logger = logging.getLogger("ft_train")
+
 
 @dataclass
 class GroupPlan:
@@ -51,6 +54,9 @@ class GroupPlan:
 
 
 KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
+# A worker that accepts the connection but never answers (its process or machine frozen) would
+# hold the kill, and with it a recovery or a Ctrl+C, forever: give up on it after this long.
+KILL_TIMEOUT_S = 5.0
 
 
 async def _hard_exit() -> None:
@@ -242,7 +248,9 @@ class WorkerGroup:
 
     def kill(self, addresses: list[str], only_known: bool = True) -> None:
         """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
-        even while a rank's thread is blocked. A worker that is already gone is no error.
+        even while a rank's thread is blocked. A worker that is already gone is no error, nor is
+        one that does not answer within KILL_TIMEOUT_S (its event loop does not run: the
+        scheduler drops it after `worker-ttl`, and the caller does not use it again).
         `only_known=False` also reaches workers the scheduler no longer lists (retired ones)."""
         if only_known:
             alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
@@ -250,7 +258,13 @@ class WorkerGroup:
         if not addresses:
             return
         with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
-            self.client.run(_hard_exit, workers=addresses, wait=False, on_error="ignore")
+            try:
+                self.client.run(
+                    _hard_exit, workers=addresses, wait=False, on_error="ignore",
+                    callback_timeout=KILL_TIMEOUT_S,
+                )
+            except TimeoutError:
+                logger.warning("ft-train: workers %s did not answer the kill", addresses)
 
     def _unsubscribe(self) -> None:
         for topic in (self.topic, "all", preemption.TOPIC):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import StorageTarget
 from tests.helpers import (
     assert_bit_identical,
     demo_config,
@@ -52,8 +53,6 @@ def wait_exit(driver: subprocess.Popen, timeout_s: float, log: Path) -> int:
 @pytest.fixture(scope="module")
 def reference_weights(prefect_api, tmp_path_factory):
     """The final weights of an uninterrupted run of the same training (computed once)."""
-    from tests.conftest import StorageTarget
-
     storage = StorageTarget("local", str(tmp_path_factory.mktemp("reference")))
     return final_weights(train_demo(storage, "reference", demo_config(epochs=2, checkpoint_every=5)))
 
@@ -96,3 +95,27 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
     kind = "driver_crash" if sig == signal.SIGKILL else "driver_interrupt"
     assert [(f.kind, f.charged) for f in resumed.failures] == [(kind, False)]
     assert_bit_identical(final_weights(resumed), reference_weights)
+
+
+def test_ctrl_c_ends_the_driver_while_a_worker_is_frozen(tmp_path, prefect_api):
+    """A rank's process stops (SIGSTOP, as on a machine that hangs) and the user presses Ctrl+C:
+    the driver records the interrupt and exits, although that worker never answers its kill."""
+    storage = StorageTarget("local", str(tmp_path / "runs"))
+    freeze = {"rank": 1, "step": 3, "kind": "freeze", "marker": str(tmp_path / "freeze")}
+    driver = start_driver(storage, "frozen", demo_config([freeze]), prefect_api, tmp_path)
+    try:
+        wait_for(lambda: os.path.exists(freeze["marker"]), 240, "rank 1 to freeze at step 3")
+        os.kill(driver.pid, signal.SIGINT)
+        assert wait_exit(driver, 60, tmp_path / "driver-frozen.log") != 0
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert load_state(storage, "frozen").status == "interrupted"
+    # The frozen worker goes too (the fork server it came from follows the driver out).
+    def group() -> list[str]:
+        return subprocess.run(["pgrep", "-g", str(driver.pid)], capture_output=True, text=True).stdout.split()
+
+    try:
+        wait_for(lambda: not group(), 15, "the driver's processes to exit")
+    finally:
+        subprocess.run(["pkill", "-KILL", "-g", str(driver.pid)])
