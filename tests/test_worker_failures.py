@@ -173,26 +173,31 @@ def test_a_callable_train_loop_works_in_a_python_call(storage):
     assert result.checkpoint is None
 
 
+def train_with_hang_timeout(storage, name, faults, timeout_s) -> ft_train.TrainResult:
+    from flows.train import train
+
+    return train(
+        train_loop="ft_train.examples.digits:train_loop",
+        train_loop_config=demo_config(faults),
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name=name, storage_path=storage.path, storage_options=storage.options,
+            failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout_s),
+        ),
+    )
+
+
 def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
     """Rank 1's whole process stops (SIGSTOP: its Dask worker's event loop too, as on a machine
     that hangs). The watchdog finds the hang; the kill of a worker that cannot answer gives up
     after KILL_TIMEOUT_S instead of holding the recovery until the scheduler drops the worker
     (worker-ttl, 60 s), and the new group runs without it (the spare takes its place)."""
-    from flows.train import train
     from ft_train.worker_group import KILL_TIMEOUT_S
 
     freeze = fault(tmp_path, 1, 7, kind="freeze")
     timeout = 5.0
     storage = StorageTarget("local", str(tmp_path / "runs"))
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([freeze]),
-        scaling_config=ft_train.ScalingConfig(num_workers=2),
-        run_config=ft_train.RunConfig(
-            name="frozen", storage_path=storage.path,
-            failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout),
-        ),
-    )
+    result = train_with_hang_timeout(storage, "frozen", [freeze], timeout)
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("hang", 1)
@@ -203,19 +208,9 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
 
 
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
-    from flows.train import train
-
     hang = fault(tmp_path, 1, 7, kind="wait")  # rank 1 sleeps forever inside its loop, once
     timeout = 10.0
-    result = train(
-        train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config([hang]),
-        scaling_config=ft_train.ScalingConfig(num_workers=2),
-        run_config=ft_train.RunConfig(
-            name="hang", storage_path=storage.path, storage_options=storage.options,
-            failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout),
-        ),
-    )
+    result = train_with_hang_timeout(storage, "hang", [hang], timeout)
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("hang", 1)
