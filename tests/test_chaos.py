@@ -117,6 +117,10 @@ KINDS: dict[str, Kind] = {
     # step is the last one the driver received, from the restore point up to the fault's step.
     "kill": Kind("kill", "process_death", exact_step=False),
     "hang": Kind("wait", "hang"),
+    # The rank's whole process stops (SIGSTOP), its Dask worker too: a hang whose worker cannot
+    # be killed; the run leaves it behind (WorkerGroup.kill gives up on it). Its queued reports
+    # stop with it, as a killed rank's die with it.
+    "freeze": Kind("freeze", "hang", exact_step=False),
     "node_loss": Kind("wait", "node_loss", external=True, action=take_node_away),
     # The rank holds until its worker has notice, which it has at its next report; every rank
     # learns it at the report after that (the agreement started at one report is read at the
@@ -141,6 +145,7 @@ SCHEDULE = [
         (7, 1, "hang"),
         (8, 0, "raise"),
         (10, 1, "kill"),
+        (11, 0, "freeze"),
         (13, 0, "raise"),  # the first step of epoch 2, resumed from the epoch boundary
         (14, 1, "raise"),
         (16, 0, "kill"),
