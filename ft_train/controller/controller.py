@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Container, Iterable, Literal, Optional
 
 from distributed import KilledWorker
 
@@ -50,6 +50,18 @@ def _lost_a_peer(error: str) -> bool:
 
 # After every rank returned, wait this long for their last reports still in flight.
 REPORT_DRAIN_TIMEOUT_S = 30.0
+
+
+def hung_rank(
+    ranks: Iterable[int], done: Container[int], waiting: Optional[int],
+    received: dict[int, int], progress: dict[int, float],
+) -> int:
+    """The rank to blame when the watchdog fires: of the ranks still running, except `waiting`
+    (one that failed waiting for a peer), the one with the fewest reports received, then the
+    one heard from least recently; a rank never heard from at all (`received` and `progress`
+    lack it) first. `waiting` itself when every other rank has returned."""
+    running = [r for r in ranks if r not in done and r != waiting]
+    return min(running, key=lambda r: (received.get(r, 0), progress.get(r, 0.0)), default=waiting)
 
 
 @dataclass
@@ -273,17 +285,22 @@ class Controller:
     def _laggard(self, rank: int, step: int) -> Optional[int]:
         """When `rank` timed out in a collective at `step`: the rank it waited for, one still
         running and not ahead of it (the furthest behind first), if any."""
-        running = [r for r in self.progress if r not in self.done and r != rank]
+        running = [r for r in self._ranks() if r not in self.done and r != rank]
         lagging = [r for r in running if self.rounds.received.get(r, 0) <= step]
         return min(lagging, key=lambda r: self.rounds.received.get(r, 0), default=None)
+
+    def _ranks(self) -> range:
+        """Every rank of the running group, also one whose "started" message has not arrived (a
+        rank's messages are handed over in batches: one that froze or hung early may never send
+        it)."""
+        return range(len(self.phase.group.addresses))
 
     def _hung(self) -> None:
         """No report from some rank within hang_timeout_s. The hung rank is the one furthest
         behind; the others usually wait for it in a collective (and one that already failed
         waiting for a peer is not the hung one)."""
         waiting = self.collateral[0] if self.collateral is not None else None
-        running = [r for r in self.progress if r not in self.done and r != waiting]
-        rank = min(running, key=lambda r: (self.rounds.received.get(r, 0), self.progress[r]))
+        rank = hung_rank(self._ranks(), self.done, waiting, self.rounds.received, self.progress)
         timeout = self.failure_config.hang_timeout_s
         self._fail(rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)")
 
