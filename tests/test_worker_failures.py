@@ -173,18 +173,27 @@ def test_a_callable_train_loop_works_in_a_python_call(storage):
     assert result.checkpoint is None
 
 
-def train_with_hang_timeout(storage, name, faults, timeout_s) -> ft_train.TrainResult:
+def recovered_from_hang(storage, name, hang, timeout_s):
+    """Train with rank 1 hanging at step 7 (`hang`, a fault) under `hang_timeout_s`; check that
+    the hang was recorded against rank 1 within the timeout plus a few seconds of when it began,
+    and the run finished from step 5. Returns the failure record."""
     from flows.train import train
 
-    return train(
+    result = train(
         train_loop="ft_train.examples.digits:train_loop",
-        train_loop_config=demo_config(faults),
+        train_loop_config=demo_config([hang]),
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(
             name=name, storage_path=storage.path, storage_options=storage.options,
             failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout_s),
         ),
     )
+    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank) == ("hang", 1)
+    hung_at = os.path.getmtime(hang["marker"])
+    assert failure.time.timestamp() - hung_at < timeout_s + 5
+    return failure
 
 
 def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
@@ -194,26 +203,12 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
     (worker-ttl, 60 s), and the new group runs without it (the spare takes its place)."""
     from ft_train.worker_group import KILL_TIMEOUT_S
 
-    freeze = fault(tmp_path, 1, 7, kind="freeze")
-    timeout = 5.0
     storage = StorageTarget("local", str(tmp_path / "runs"))
-    result = train_with_hang_timeout(storage, "frozen", [freeze], timeout)
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
-    (failure,) = result.failures
-    assert (failure.kind, failure.rank) == ("hang", 1)
-    frozen_at = os.path.getmtime(freeze["marker"])
-    assert failure.time.timestamp() - frozen_at < timeout + 5
+    failure = recovered_from_hang(storage, "frozen", fault(tmp_path, 1, 7, kind="freeze"), 5.0)
     restarted = load_state(storage, "frozen").attempts[1].started_at.timestamp()
     assert restarted - failure.time.timestamp() < KILL_TIMEOUT_S + 5
 
 
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
-    hang = fault(tmp_path, 1, 7, kind="wait")  # rank 1 sleeps forever inside its loop, once
-    timeout = 10.0
-    result = train_with_hang_timeout(storage, "hang", [hang], timeout)
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
-    (failure,) = result.failures
-    assert (failure.kind, failure.rank) == ("hang", 1)
-    # detected within the timeout plus a few seconds of when rank 1 started to hang
-    hung_at = os.path.getmtime(hang["marker"])
-    assert failure.time.timestamp() - hung_at < timeout + 5
+    # rank 1 sleeps forever inside its loop, once
+    recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="wait"), 10.0)
