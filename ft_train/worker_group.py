@@ -16,6 +16,7 @@ and waiting for the collective timeout would take up to 30 minutes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -55,8 +56,9 @@ class GroupPlan:
 
 KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
 # A worker that accepts the connection but never answers (its process or machine frozen) would
-# hold the kill, and with it a recovery or a Ctrl+C, forever: give up on it after this long.
-KILL_TIMEOUT_S = 5.0
+# hold whatever asked it (a group's start, a kill, and with them a recovery or a Ctrl+C) until
+# the scheduler drops it after worker-ttl, or forever: give up on it after this long.
+ANSWER_TIMEOUT_S = 5.0
 
 
 async def _hard_exit() -> None:
@@ -75,22 +77,50 @@ def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[
     return gpu if use_gpu and gpu else usable
 
 
-def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> list[str]:
-    """Addresses of the workers for a new group, in rank order: `max_workers` if they are there
-    within `elastic_wait_s`, else as many as there are once at least `min_workers` are; waits up
-    to `start_timeout_s` for `min_workers`."""
-    start = time.monotonic()
+def free_ports(client: Client, addrs: list[str]) -> dict[str, int]:
+    """A free port on each of the workers that answer within ANSWER_TIMEOUT_S. One that does not
+    is frozen (its process stopped, its machine hung) or its event loop is busy (a warm import
+    of torch in a worker that just joined): it is not given a rank now."""
+    try:
+        answers = client.run(free_port, workers=addrs, on_error="return", callback_timeout=ANSWER_TIMEOUT_S)
+    except TimeoutError:  # one at least did not answer: which ones?
+        answers = {}
+        for a in addrs:
+            with contextlib.suppress(TimeoutError):
+                answers.update(client.run(free_port, workers=[a], on_error="return",
+                                          callback_timeout=ANSWER_TIMEOUT_S))
+    return {a: p for a, p in answers.items() if isinstance(p, int)}
+
+
+def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> tuple[list[str], dict[str, int]]:
+    """The workers for a new group, in rank order, and a free port on each (rank 0's is the
+    rendezvous): `max_workers` if they are there within `elastic_wait_s`, else as many as there
+    are once at least `min_workers` are; waits up to `start_timeout_s` for `min_workers`. Only
+    workers that answer count: a frozen one given a rank would hold the others' rendezvous until
+    the scheduler drops it (worker-ttl)."""
+    start, warned = time.monotonic(), set()
+
+    def enough(n: int, waited: float) -> bool:
+        return n >= plan.max_workers or (n >= plan.min_workers and waited >= plan.elastic_wait_s)
+
     while True:
-        usable = _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
+        usable = _rank_of(_usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude))
         waited = time.monotonic() - start
-        if len(usable) >= plan.max_workers or (
-            len(usable) >= plan.min_workers and waited >= plan.elastic_wait_s
-        ):
-            return _rank_of(usable)[: plan.max_workers]
+        ready, silent = usable, []
+        if enough(len(usable), waited):
+            ports = free_ports(client, usable)
+            ready = [a for a in usable if a in ports]
+            if enough(len(ready), waited):
+                return ready[: plan.max_workers], ports
+            silent = [a for a in usable if a not in ports]
+            if set(silent) - warned:
+                logger.warning("ft-train: workers %s do not answer; waiting for others", silent)
+                warned |= set(silent)
         if waited > plan.start_timeout_s:
+            also = f" ({len(silent)} more did not answer: frozen or busy)" if silent else ""
             raise WorkerStartupError(
-                f"only {len(usable)} of {plan.min_workers} Dask workers were available after "
-                f"{plan.start_timeout_s:.0f}s (scheduler {client.scheduler.address}); add "
+                f"only {len(ready)} of {plan.min_workers} Dask workers were available after "
+                f"{plan.start_timeout_s:.0f}s{also} (scheduler {client.scheduler.address}); add "
                 "workers, or raise scaling_config.worker_start_timeout_s"
             )
         time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadlines
@@ -119,14 +149,13 @@ class WorkerGroup:
     def start(
         self, plan: GroupPlan, checkpoint_dir: str | None, start_report_index: int, exclude: set[str]
     ) -> None:
-        addrs = await_workers(self.client, plan, exclude)
+        addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         hosts = sorted({info[a]["host"] for a in addrs})
         per_host: dict[str, list[str]] = defaultdict(list)
         for a in addrs:
             per_host[info[a]["host"]].append(a)
-        master_addr = info[addrs[0]]["host"]
-        master_port = self.client.run(free_port, workers=[addrs[0]])[addrs[0]]
+        master_addr, master_port = info[addrs[0]]["host"], ports[addrs[0]]
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
 
@@ -202,7 +231,7 @@ class WorkerGroup:
 
     def request_stop(self) -> None:
         """Ask every rank to leave its training function (at the same later report, all of them)."""
-        self.client.run(preemption.request_stop, self.attempt_id, workers=self.addresses)
+        self._run_bounded(preemption.request_stop, self.attempt_id, workers=self.addresses)
 
     def release(self) -> None:
         """Forget the group after a clean finish."""
@@ -243,13 +272,12 @@ class WorkerGroup:
     def give_notice(self, address: str, deadline: float) -> None:
         """Tell a worker's ranks that it leaves by `deadline`: for a worker the scheduler has
         already let go (retired), whose process still runs a rank."""
-        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
-            self.client.run(preemption.give_notice, deadline, workers=[address], on_error="ignore")
+        self._run_bounded(preemption.give_notice, deadline, workers=[address])
 
     def kill(self, addresses: list[str], only_known: bool = True) -> None:
         """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
         even while a rank's thread is blocked. A worker that is already gone is no error, nor is
-        one that does not answer within KILL_TIMEOUT_S (its event loop does not run: the
+        one that does not answer within ANSWER_TIMEOUT_S (its event loop does not run: the
         scheduler drops it after `worker-ttl`, and the caller does not use it again).
         `only_known=False` also reaches workers the scheduler no longer lists (retired ones)."""
         if only_known:
@@ -257,14 +285,18 @@ class WorkerGroup:
             addresses = [a for a in addresses if a in alive]
         if not addresses:
             return
+        self._run_bounded(_hard_exit, workers=addresses, wait=False)
+
+    def _run_bounded(self, fn: Callable, *args: Any, workers: list[str], wait: bool = True) -> None:
+        """`fn(*args)` on the workers' event loops, giving up on those that are gone or do not
+        answer within ANSWER_TIMEOUT_S (the scheduler's own signals, or the watchdog, tell the
+        controller about them)."""
         with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
             try:
-                self.client.run(
-                    _hard_exit, workers=addresses, wait=False, on_error="ignore",
-                    callback_timeout=KILL_TIMEOUT_S,
-                )
+                self.client.run(fn, *args, workers=workers, wait=wait, on_error="ignore",
+                                callback_timeout=ANSWER_TIMEOUT_S)
             except TimeoutError:
-                logger.warning("ft-train: workers %s did not answer the kill", addresses)
+                logger.warning("ft-train: workers %s did not answer %s", workers, fn.__name__)
 
     def _unsubscribe(self) -> None:
         for topic in (self.topic, "all", preemption.TOPIC):

@@ -14,6 +14,7 @@ from distributed import Client
 import ft_train
 from ft_train.rank import free_port
 from ft_train.session import AGREE_EVERY_MAX
+from tests.conftest import StorageTarget
 from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -51,8 +52,8 @@ class ExternalCluster:
     def wait_workers(self, names):
         wait_for(lambda: set(names) <= set(self.workers()), 120, f"workers {names}")
 
-    def kill(self, name):
-        os.killpg(self.procs[name].pid, signal.SIGKILL)
+    def kill(self, name, sig=signal.SIGKILL):
+        os.killpg(self.procs[name].pid, sig)
 
     def train(self, storage, name, config=None, *, train_loop=DEMO, scaling=None, **failure):
         """The ft-train flow on this cluster: the demo on two ranks unless told otherwise;
@@ -220,3 +221,23 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tm
     # w0 was let go once the checkpoint was committed, not when its notice ran out
     assert time.monotonic() - retired_at[0] < 60
     wait_for(lambda: "w0" not in cluster.workers(), 30, "w0 to leave")
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_idle_worker_is_passed_over_when_a_group_starts(tmp_path, cluster):
+    """w0 (first in rank order) is frozen before the run (SIGSTOP: as a machine that hangs). It
+    still looks alive to the scheduler (worker-ttl, 5 minutes by default), so the group's start
+    must find out itself: w0 does not answer within ANSWER_TIMEOUT_S, and the ranks start on w1
+    and w2. Before, asking w0 for the rendezvous port waited until the scheduler dropped it."""
+    from ft_train.worker_group import ANSWER_TIMEOUT_S
+
+    storage = StorageTarget("local", str(tmp_path / "runs"))
+    cluster.kill("w0", signal.SIGSTOP)
+    called = time.time()
+    result = cluster.train(storage, "frozen-idle", demo_config())
+    assert result.status == "finished" and not result.failures
+    (attempt,) = load_state(storage, "frozen-idle").attempts
+    assert attempt.world_size == 2
+    # the plugin's broadcast, one probe of all three, then one of each: 3 x ANSWER_TIMEOUT_S
+    assert attempt.started_at.timestamp() - called < 3 * ANSWER_TIMEOUT_S + 10
+    assert "w0" in cluster.workers()  # still listed: only the probe told it apart

@@ -199,14 +199,14 @@ def recovered_from_hang(storage, name, hang, timeout_s):
 def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
     """Rank 1's whole process stops (SIGSTOP: its Dask worker's event loop too, as on a machine
     that hangs). The watchdog finds the hang; the kill of a worker that cannot answer gives up
-    after KILL_TIMEOUT_S instead of holding the recovery until the scheduler drops the worker
+    after ANSWER_TIMEOUT_S instead of holding the recovery until the scheduler drops the worker
     (worker-ttl, 60 s), and the new group runs without it (the spare takes its place)."""
-    from ft_train.worker_group import KILL_TIMEOUT_S
+    from ft_train.worker_group import ANSWER_TIMEOUT_S
 
     storage = StorageTarget("local", str(tmp_path / "runs"))
     failure = recovered_from_hang(storage, "frozen", fault(tmp_path, 1, 7, kind="freeze"), 5.0)
     restarted = load_state(storage, "frozen").attempts[1].started_at.timestamp()
-    assert restarted - failure.time.timestamp() < KILL_TIMEOUT_S + 5
+    assert restarted - failure.time.timestamp() < ANSWER_TIMEOUT_S + 5
 
 
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):

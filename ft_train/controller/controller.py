@@ -25,7 +25,7 @@ from ..failure_policy import Decision
 from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore
 from ..preemption import PreemptionWatcher
 from ..warm import WarmImports
-from ..worker_group import GroupPlan, WorkerGroup, more_workers_available
+from ..worker_group import ANSWER_TIMEOUT_S, GroupPlan, WorkerGroup, more_workers_available
 from .rounds import ReportRounds, Round
 from .state import Errored, Finished, Idle, Running
 
@@ -173,7 +173,8 @@ class Controller:
         self.collateral = None
         self.resizing = False
         if not self._plugins_installed:  # on every worker, and on those that join later
-            self.client.register_plugin(PreemptionWatcher(self.failure_config.preemption_grace_s))
+            plugin = PreemptionWatcher(self.failure_config.preemption_grace_s)
+            self._register(plugin, ANSWER_TIMEOUT_S, logger.warning)  # else no preemption notice
             self._plugins_installed = True
         group.start(self.plan, self.state.latest, self.state.report_index, self.dead_workers)
         self.rounds = ReportRounds(len(group.addresses), self.state.report_index)
@@ -236,14 +237,24 @@ class Controller:
         if self._warming:
             return
         self._warming = True
+        # the run may be over before it is done: no matter, the workers only start cold
+        self._register(WarmImports(), 0.0, logger.debug)
+
+    def _register(self, plugin, wait_s: float, failed: Callable[[str], None]) -> None:
+        """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for
+        the workers that join later at once, then hands it to every worker in one broadcast,
+        which a frozen worker holds until the scheduler drops it (worker-ttl): so on a thread.
+        The workers that answer have it within milliseconds."""
 
         def register() -> None:
             try:
-                self.client.register_plugin(WarmImports())
-            except Exception as e:  # the run may be over already; the workers still work cold
-                logger.debug("could not warm the workers: %s", e)
+                self.client.register_plugin(plugin)
+            except Exception as e:
+                failed(f"ft-train: could not register {plugin.name} ({type(e).__name__}: {e})")
 
-        threading.Thread(target=register, name="ft-train-warm", daemon=True).start()
+        thread = threading.Thread(target=register, name=plugin.name, daemon=True)
+        thread.start()
+        thread.join(wait_s)
 
     def _rank_raised(self, rank: int, exc: RankFailure) -> None:
         self.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
