@@ -265,9 +265,11 @@ def fig_cold_start(s: Suite) -> dict:
 def fig_steady(s: Suite, with_ddp: bool) -> dict:
     """Metrics reported every step. ft-train and bare DDP alternate (the machine's load drifts);
     each system's figure is the median over its runs, and each ft-train run is also compared
-    with the bare DDP run just before it (`pairs`): the same code gave medians from 0.96x to
-    0.98x over four series of 3 to 5 pairs on one evening, so one series is not the last word."""
-    steps, reps = (100, 1) if s.quick else (300, 5)
+    with the bare DDP run just before it (`pairs`). 600 steps (about 20 s) a run: with 300, the
+    same code gave medians from 0.96x to 0.98x in five series; with 600, 1.00x and 0.99x in two
+    (0.985x over steps 150 to 600 alone). Some ft-train runs are slower in their first second or
+    two (23 to 27 steps where bare DDP makes 29), which weighs half as much in 600 steps."""
+    steps, reps = (100, 1) if s.quick else (600, 5)
     # Ray's report() waits for the controller's 2 s poll once its one-slot queue is full, so a
     # Ray step that reports costs ~2 s: fewer steps there, the rate is what is compared.
     ray_steps = 12 if s.quick else 30
