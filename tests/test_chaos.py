@@ -377,6 +377,15 @@ def reference(prefect_api, tmp_path_factory):
 
 
 @pytest.fixture
+def storage(s3_endpoint):
+    """S3 only: each kind of fault is tested on its own elsewhere, most against both storages;
+    this run's point is their mix, and it is the suite's longest test (100 to 130 s a storage)."""
+    from tests.conftest import make_s3_target
+
+    return make_s3_target(s3_endpoint)
+
+
+@pytest.fixture
 def external_cluster(tmp_path):
     cluster = ExternalCluster(tmp_path)
     try:
