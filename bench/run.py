@@ -462,7 +462,6 @@ def table(rs: list[dict]) -> str:
 
 
 def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     mem = next((int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
     versions = {}
     for pkg in ("torch", "ray", "prefect", "distributed", "s3fs", "moto"):
@@ -471,7 +470,7 @@ def machine() -> dict:
 
             versions[pkg] = version(pkg)
     info = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ":" in ln}
-    return {"nproc": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "cpu": cpu,
+    return {"nproc": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "cpu": info.get("model name", "?"),
             "cpu_mhz": info.get("cpu MHz"), "cache": info.get("cache size"), "python_loop_s": python_loop_s(),
             "python": platform.python_version(), "versions": versions}
 
