@@ -151,9 +151,10 @@ class PendingAgreement:
         self.flags = torch.tensor(flags, dtype=torch.float64)
         self.work = None
         if w > 1:
-            self.work = dist.all_reduce(
-                self.flags, op=dist.ReduceOp.MAX, group=control_group, async_op=True
-            )
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            # a ProcessGroup or a bare gloo backend (`rank._control_group`): both take this call
+            self.work = control_group.allreduce([self.flags], options)
 
     def result(self) -> Agreement:
         if self.work is not None:

@@ -28,7 +28,7 @@ import ft_train
 from ft_train import preemption
 from ft_train.checkpoint import MANIFEST, Checkpoint
 from ft_train.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
-from ft_train.rank import free_port
+from ft_train.rank import _control_group, free_port
 from ft_train.session import AGREE_EVERY_MAX, RankSpec, Session
 from ft_train.storage import Storage, file_digest
 from ft_train.uploads import Uploads
@@ -339,7 +339,7 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
         spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=0.05 if paced else 0.0
     )
     session = Session(rank_spec, msgs.append)
-    session.control = dist.new_group(backend="gloo")
+    session.control = _control_group()
     seen: dict = {"rank": rank}
     try:
         if script == "notice_then_stop_paced":
@@ -368,6 +368,11 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
                 info = session.preemption
                 if info is not None and "preempted_at" not in seen:
                     seen["preempted_at"], seen["ranks"] = k, list(info.ranks)
+        elif script == "threads":
+            session.report({"k": 1})
+            session.finish()
+            seen["threads"] = [Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                               for t in os.listdir("/proc/self/task")]
         else:  # "unequal": rank 1 reports once more than rank 0
             for k in range(1, 4 + rank):
                 session.report({"k": k})
@@ -412,6 +417,15 @@ def test_unequal_report_counts_fail_both_ranks():
         assert "finished" not in seen[rank], seen
         assert "same number of times" in seen[rank]["error"], seen
     assert "at report 4" in seen[1]["error"]  # its 4th report met rank 0's return
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+def test_the_control_group_shares_the_default_groups_gloo_device():
+    """One gloo device, so one `gloo_tcp_loop` thread, waking every 10 ms, per rank: a second
+    group of its own would add another in every rank, beside the user's training thread."""
+    seen = run_two_ranks("threads")
+    for rank in (0, 1):
+        assert seen[rank]["threads"].count("gloo_tcp_loop") == 1, seen
 
 
 def test_with_reports_close_together_the_ranks_agree_less_often_and_still_together():
