@@ -57,6 +57,10 @@ DASK_SETTINGS = {
     # from the ranks' cores and GIL; with these, 0.3% and 0.9%.
     "distributed.admin.tick.interval": "1s",
     "distributed.admin.system-monitor.interval": "2s",
+    # Each rank's task is bound to its worker, and holds no data: work stealing (a scheduler
+    # callback every second) and the active memory manager (every 2 s) have nothing to do.
+    "distributed.scheduler.work-stealing": False,
+    "distributed.scheduler.active-memory-manager.start": False,
 }
 
 # Local CPU clusters keep this many workers beyond the ranks, ready to take a failed one's place.

@@ -50,7 +50,9 @@ def workers() -> list[dict]:
         on_main_heap = client.gather([
             client.submit(allocates_from_main_heap, workers=[w], pure=False) for w in seen
         ])
-        return [dict(w, main_heap=m) for w, m in zip(seen.values(), on_main_heap)]
+        callbacks = set(client.cluster.scheduler.periodic_callbacks)
+        return [dict(w, main_heap=m, scheduler_callbacks=callbacks)
+                for w, m in zip(seen.values(), on_main_heap)]
 
 
 def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_environment(monkeypatch):
@@ -67,6 +69,8 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
         assert w["omp"] == "1", w  # Dask's pre-spawn variables, as with spawned workers
         assert w["malloc_trim"] is None, w  # but not the one ft-train unsets (throughput)
         assert w["main_heap"], w  # a rank's thread has no arena of its own (throughput)
+    # nothing to steal or replicate: no wake-ups for it in the driver (throughput)
+    assert not {c for c in seen[0]["scheduler_callbacks"] if c == "stealing" or c.startswith("amm")}
 
 
 def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
