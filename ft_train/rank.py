@@ -181,7 +181,7 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         raise RankFailure(spec.rank, session.report_index, error, tb, fatal) from None
     finally:
         session.close()  # drops uploads still pending (none after a clean finish)
-        session.control = None  # its connections close with the default group's
+        session.control = None  # released before the default group, whose device it shares
         _session.install(None)
         if sender is not None:
             sender.close()  # the last reports are on their way before the task's result
