@@ -7,6 +7,9 @@ import sys
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks
+    # Ctrl+C as in a terminal, even where the tests run as a shell's background job (which
+    # starts them, and so this process, with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = json.loads(sys.argv[1])
     sys.path.insert(0, args["repo"])
     import ft_train
