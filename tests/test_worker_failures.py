@@ -175,8 +175,9 @@ def test_a_callable_train_loop_works_in_a_python_call(storage):
 
 def recovered_from_hang(storage, name, hang, timeout_s):
     """Train with rank 1 hanging at step 7 (`hang`, a fault) under `hang_timeout_s`; check that
-    the hang was recorded against rank 1 within the timeout plus a few seconds of when it began,
-    and the run finished from step 5. Returns the failure record."""
+    the hang was recorded against rank 1 within the timeout plus 3 s of when it began (the time
+    it was seen: a frozen worker's kill, which waits ANSWER_TIMEOUT_S, comes after), and the run
+    finished from step 5. Returns the failure record."""
     from flows.train import train
 
     result = train(
@@ -192,7 +193,7 @@ def recovered_from_hang(storage, name, hang, timeout_s):
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("hang", 1)
     hung_at = os.path.getmtime(hang["marker"])
-    assert failure.time.timestamp() - hung_at < timeout_s + 5
+    assert failure.time.timestamp() - hung_at < timeout_s + 3
     return failure
 
 

@@ -22,7 +22,7 @@ from ..checkpoint_manager import CheckpointManager
 from ..config import FailureConfig
 from ..errors import RankFailure, SessionError, TrainingFailedError, WorkerGroupError
 from ..failure_policy import Decision
-from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore
+from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
 from ..preemption import PreemptionWatcher
 from ..warm import WarmImports
 from ..worker_group import ANSWER_TIMEOUT_S, GroupPlan, WorkerGroup, more_workers_available
@@ -406,6 +406,7 @@ class Controller:
 
     def _fail(self, rank: int, kind: str, error: str, step: Optional[int] = None) -> None:
         """Stop the group, record the failure, and raise what the failure policy decided."""
+        seen = now()  # the record's time: when the failure was seen, not when the ranks stopped
         group = self.phase.group
         grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
         failed = {group.addresses[rank]} if kind in ("exception", "hang") else set()
@@ -418,6 +419,7 @@ class Controller:
             step=step if step is not None else self.rounds.received.get(rank, self.rounds.last_index),
             error=error,
             attempt=group.attempt,
+            time=seen,
         )
         self._judge(failure)
         max_failures = self.failure_config.max_failures
