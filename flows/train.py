@@ -16,7 +16,7 @@ from prefect import Flow
 
 import ft_train
 from ft_train.cluster import Ahead, start_forkserver
-from ft_train.driver import make_controller
+from ft_train.driver import interrupt_or, make_controller
 from tasks import finalize, prepare_run, provision_workers, train_segment
 
 
@@ -51,8 +51,11 @@ def train_fn(
                 step = train_segment.with_options(retries=retries, retry_delay_seconds=0)
                 kind = step(controller, segment).kind
         except BaseException as e:
-            controller.abort(e)  # stop the ranks; record why (Ctrl+C is not charged)
-            raise
+            why = interrupt_or(e)
+            controller.abort(why)  # stop the ranks; record why (Ctrl+C is not charged)
+            if why is e:
+                raise
+            raise why from None  # the Ctrl+C itself, not the error Prefect raised in its place
     return finalize(plan)
 
 

@@ -113,6 +113,20 @@ def _resume(state: RunState, fp: str, where: str, log: Callable[[str], None]) ->
     log(f"resuming run {state.name!r} at {where} from {frm}")
 
 
+def interrupt_or(error: BaseException) -> BaseException:
+    """The interrupt in `error`'s chain (a BaseException that is not an Exception: Ctrl+C,
+    SystemExit, Prefect's TerminationSignal), else `error`. Prefect's task engine puts its own
+    error in place of a Ctrl+C that lands while it creates a task run (its crash handler raises
+    "ValueError: Task run is not set"): that is still the user's Ctrl+C."""
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        if not isinstance(link, Exception):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return error
+
+
 def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.info) -> Controller:
     group_plan = GroupPlan(
         train_loop=plan.train_loop,

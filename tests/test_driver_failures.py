@@ -119,3 +119,26 @@ def test_ctrl_c_ends_the_driver_while_a_worker_is_frozen(tmp_path, prefect_api):
         wait_for(lambda: not group(), 15, "the driver's processes to exit")
     finally:
         subprocess.run(["pkill", "-KILL", "-g", str(driver.pid)])
+
+
+def test_ctrl_c_while_prefect_creates_a_task_run_is_an_interrupt(tmp_path, prefect_api, monkeypatch):
+    """Ctrl+C that lands while Prefect creates a segment's task run: Prefect's crash handler
+    then raises its own error in its place (ValueError: Task run is not set). The run is still
+    recorded as interrupted, not failed, and the caller gets the KeyboardInterrupt (the CLI
+    then says how to resume, without a traceback)."""
+    import prefect.task_engine
+
+    create = prefect.task_engine._create_task_run_locally
+
+    def ctrl_c_in_train_task(*, task, **kw):
+        if task.name == "train-until-checkpoint":
+            raise KeyboardInterrupt  # where the signal handler would raise it
+        return create(task=task, **kw)
+
+    monkeypatch.setattr(prefect.task_engine, "_create_task_run_locally", ctrl_c_in_train_task)
+    storage = StorageTarget("local", str(tmp_path / "runs"))
+    with pytest.raises(KeyboardInterrupt):
+        train_demo(storage, "interrupted", demo_config())
+    state = load_state(storage, "interrupted")
+    assert state.status == "interrupted"
+    assert [(f.kind, f.charged) for f in state.failures] == [("driver_interrupt", False)]
