@@ -121,6 +121,34 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
     assert "w1" not in cluster.workers()
 
 
+def test_a_lost_worker_is_charged_even_when_the_schedulers_word_of_it_is_late(
+    tmp_path, cluster, monkeypatch
+):
+    """The scheduler's word that w1 left (its "remove-worker" event) does not reach the driver,
+    as when a loaded machine holds it up. Rank 0's error says only that it lost its peer: after
+    COLLATERAL_WAIT_S the driver looks at the scheduler's worker list itself and charges the
+    failure to the lost worker. Blamed instead, rank 0 would have had its healthy worker
+    killed, and with w1 gone for good only w2 would have been left for a group of two."""
+    from ft_train.worker_group import WorkerGroup
+
+    monkeypatch.setattr(WorkerGroup, "_on_scheduler_event", lambda self, event: None)
+    hold = fault(tmp_path, 1, 7, kind="wait")
+
+    def take_away_w1():
+        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 1 to reach step 7")
+        cluster.kill("w1")
+
+    import threading
+
+    threading.Thread(target=take_away_w1, daemon=True).start()
+    storage = StorageTarget("local", str(tmp_path / "runs"))
+    scaling = ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=30)
+    result = cluster.train(storage, "late-word", demo_config([hold]), scaling=scaling, max_failures=1)
+    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]
+    assert {"w0", "w2"} <= set(cluster.workers())  # the new group's
+
+
 def test_too_few_workers_fail_with_a_clear_error(storage, cluster):
     with pytest.raises(ft_train.WorkerStartupError, match="worker_start_timeout_s"):
         scaling = ft_train.ScalingConfig(num_workers=4, worker_start_timeout_s=2)

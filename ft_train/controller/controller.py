@@ -222,10 +222,7 @@ class Controller:
             self._note_preemption({event[2]}, deadline, boundary=False)
             return None
         if kind == "worker_lost":
-            group = self.phase.group
-            kind = group.lost_kind(event[2])
-            what = "process died" if kind == "process_death" else "node left the cluster"
-            self._fail(group.addresses.index(event[2]), kind, f"worker {event[2]}: {what}")
+            self._lost(event[2])
         if kind == "rank_done":
             return self._rank_done(event[2], event[3])
         return None
@@ -277,6 +274,8 @@ class Controller:
             if self.preempting is not None:  # it lost a peer that was leaving
                 self._preempted(self.rounds.last_index, jit=None)
                 return
+            if gone := self._gone_workers():  # the peer it lost, whose event is late
+                self._lost(gone[0])
             laggard = self._laggard(rank, exc.step)
             if laggard is not None and "timed out" in exc.error.lower():
                 # A collective timed out waiting for a rank that stopped making progress.
@@ -284,6 +283,21 @@ class Controller:
             self._rank_raised(rank, exc)
         if (remaining := self._watchdog_remaining()) is not None and remaining <= 0:
             self._hung()
+
+    def _gone_workers(self) -> list[str]:
+        """The group's workers the scheduler no longer lists. Should the "worker_lost" event of
+        one come later than COLLATERAL_WAIT_S after a peer's error (a loaded machine), a rank
+        that only lost that peer would be blamed without this look, and its healthy worker
+        killed: on a cluster without nannies, lost for the rest of the run."""
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return [a for a in self.phase.group.addresses if a not in alive]
+
+    def _lost(self, address: str) -> None:
+        """The scheduler let a rank's worker go: fail the group (raises)."""
+        group = self.phase.group
+        kind = group.lost_kind(address)
+        what = "process died" if kind == "process_death" else "node left the cluster"
+        self._fail(group.addresses.index(address), kind, f"worker {address}: {what}")
 
     def _watchdog_remaining(self) -> Optional[float]:
         """Seconds until the slowest running rank counts as hung; None without a watchdog."""
