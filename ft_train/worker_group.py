@@ -118,6 +118,8 @@ def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> tuple[l
                 warned |= set(silent)
         if waited > plan.start_timeout_s:
             also = f" ({len(silent)} more did not answer: frozen or busy)" if silent else ""
+            if exclude:
+                also += f" ({len(exclude)} lost or killed in this run's earlier attempts)"
             raise WorkerStartupError(
                 f"only {len(ready)} of {plan.min_workers} Dask workers were available after "
                 f"{plan.start_timeout_s:.0f}s{also} (scheduler {client.scheduler.address}); add "

@@ -1,5 +1,7 @@
 """The rank side on a real Dask worker, without the controller: report() never waits for the
-driver, and report rounds consolidate every rank's k-th report."""
+driver, report rounds consolidate every rank's k-th report, a group that cannot start says why."""
+
+import pytest
 
 import ft_train
 from ft_train.cluster import dask_client
@@ -54,3 +56,20 @@ def test_the_hung_rank_is_the_one_furthest_behind_even_if_never_heard_from():
     # ranks that returned are not it; the waiting one is, when every other rank returned
     assert hung_rank(range(2), {0: {}}, None, {0: 9, 1: 10}, {0: 1.0, 1: 2.0}) == 1
     assert hung_rank(range(2), {0: {}}, 1, {0: 9, 1: 10}, {0: 1.0, 1: 2.0}) == 1
+
+
+def test_a_group_that_cannot_start_says_how_many_workers_the_run_lost_before(tmp_path):
+    # One worker, and it is one the run lost or killed before (a worker without a nanny does
+    # not come back): the error names them, not only the workers that were there.
+    from ft_train.errors import WorkerStartupError
+    from ft_train.worker_group import GroupPlan, await_workers
+
+    with dask_client(ft_train.ClusterConfig(n_workers=1), ft_train.ScalingConfig()) as client:
+        addr = next(iter(client.scheduler_info()["workers"]))
+        plan = GroupPlan(train_loop="tests.loops:report_many", config={}, name="lost-before",
+                         storage=Storage(str(tmp_path)), min_workers=1, max_workers=1,
+                         use_gpu=False, start_timeout_s=0.5)
+        with pytest.raises(WorkerStartupError) as err:
+            await_workers(client, plan, exclude={addr, "tcp://127.0.0.1:1"})
+    assert "only 0 of 1 Dask workers" in str(err.value)
+    assert "(2 lost or killed in this run's earlier attempts)" in str(err.value)
