@@ -51,8 +51,9 @@ GATE_TIMEOUT_S = 300  # bound on waiting for a rank to reach a gate (restarts in
 WORKERS = 4
 # Nannies fork their worker processes from a server that imported these once: a new worker is
 # warm in ~0.2 s instead of ~4 CPU-seconds of imports each (2 cores, 30+ worker starts), and no
-# rank spends its hang watchdog's window importing what DDP loads on first use (torch._dynamo).
-WARM_MODULES = ["distributed", "ft_train.examples.digits", "torch._dynamo"]
+# rank spends its hang watchdog's window importing what DDP loads on first use (torch._dynamo)
+# or what the demo imports when it loads its data (sklearn.datasets).
+WARM_MODULES = ["distributed", "ft_train.examples.digits", "sklearn.datasets", "torch._dynamo"]
 FORK_WARM_WORKERS = f"""
 import dask
 from distributed.utils import get_mp_context

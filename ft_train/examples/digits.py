@@ -17,7 +17,6 @@ import tempfile
 from typing import Any
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,6 +28,10 @@ N_TRAIN = 1500  # of 1797 images; the rest is the validation set
 
 
 def datasets() -> tuple[TensorDataset, TensorDataset]:
+    # Imported here, not with the module: the driver imports the module to check that the loop
+    # exists, and scikit-learn's import would cost it seconds on every run.
+    from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)  # shipped inside scikit-learn: no download
     x = torch.tensor(x / 16.0, dtype=torch.float32)
     y = torch.tensor(y, dtype=torch.long)
