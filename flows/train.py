@@ -17,6 +17,8 @@ from prefect import Flow
 import ft_train
 from ft_train.cluster import Ahead, start_forkserver
 from ft_train.driver import interrupt_or, make_controller
+from ft_train.run_state import RunStore
+from ft_train.storage import Storage
 from tasks import finalize, prepare_run, provision_workers, train_segment
 
 
@@ -59,11 +61,18 @@ def train_fn(
     return finalize(plan)
 
 
+def _finished(run: ft_train.RunConfig) -> bool:
+    """Has the run finished already? Its rerun trains nothing: a cluster started for it would
+    only take CPU from Prefect's start, then take seconds to close."""
+    state = RunStore(Storage(run.storage_path, run.storage_options), run.name).load()
+    return state is not None and state.status == "finished"
+
+
 class _TrainFlow(Flow):
     """The flow, and one thing more for a Python call on a local CPU cluster: that cluster starts
     on a thread at once (its workers fork from a server that imports torch), while Prefect
-    starts its API (seconds each in ephemeral mode); the flow's run takes it over. Deployment
-    runs start it in the flow."""
+    starts its API (seconds each in ephemeral mode); the flow's run takes it over. Not for a run
+    that has finished. Deployment runs start it in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ahead = None
@@ -72,7 +81,8 @@ class _TrainFlow(Flow):
             call.apply_defaults()
             cluster = ft_train.ClusterConfig.model_validate(call.arguments["cluster"])
             scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
-            if cluster.address is None and not scaling.use_gpu:
+            run = ft_train.RunConfig.model_validate(call.arguments["run_config"])
+            if cluster.address is None and not scaling.use_gpu and not _finished(run):
                 start_forkserver()
                 ahead = Ahead(cluster, scaling)
         try:

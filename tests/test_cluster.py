@@ -98,6 +98,9 @@ from flows.train import train
 
 taken, take = [], cluster._take_ahead
 cluster._take_ahead = lambda *a: taken.append(take(*a)) or taken[-1]  # observe, not replace
+import flows.train
+started, ahead = [], flows.train.Ahead
+flows.train.Ahead = lambda *a: started.append(a) or ahead(*a)  # likewise
 
 def call(name, train_loop, **cluster_kw):
     try:
@@ -117,13 +120,16 @@ out["address"] = call("address", "no_such_module_ft:fn", address="tcp://127.0.0.
 out["bad_loop"] = call("bad-loop", "no_such_module_ft:fn")  # fails in the flow, before any worker
 taken.clear()
 out["trains"] = call("trains", "tests.loops:report_many")
+started.clear(); taken.clear()
+out["rerun"] = call("trains", "tests.loops:report_many") + [len(started)]  # it had finished
 print(json.dumps(out))
 """
 
 
 def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(prefect_api, tmp_path):
     """The cluster (forking from a server that imports torch) starts while Prefect starts; a run
-    on an existing cluster starts nothing, and a call that fails early leaves nothing running."""
+    on an existing cluster, or a rerun of a finished run, starts nothing, and a call that fails
+    early leaves nothing running."""
     script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
@@ -133,6 +139,7 @@ def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_ta
     assert out["address"] == ["TrainLoopImportError", False, [], 0], out  # nothing started
     assert out["bad_loop"] == ["TrainLoopImportError", True, [], 0], out  # started, then closed
     assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
+    assert out["rerun"] == [None, True, [], 0, 0], out  # a finished run's: none started
 
 
 def pid_of(_batch) -> int:
