@@ -1,6 +1,7 @@
 """The `ft-train` command line end to end, as a user runs it: the demo in a child process (Prefect
-in ephemeral mode under its own PREFECT_HOME, a real local Dask cluster, gloo), against a local
-path and the loopback S3 endpoint; then `ft-train status`, which reads storage without Prefect.
+in ephemeral mode under its own PREFECT_HOME, or the session's Prefect server; a real local Dask
+cluster, gloo), against a local path and the loopback S3 endpoint; then `ft-train status`, which
+reads storage without Prefect.
 """
 
 from __future__ import annotations
@@ -72,9 +73,14 @@ def stored_state(storage, name: str):
     return RunStore(Storage(storage.path, storage.options), name).load()
 
 
-def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env, tmp_path):
+def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env, tmp_path, request):
+    """On a local path in Prefect's ephemeral mode, as on a fresh machine; on S3 against a
+    running Prefect server (PREFECT_API_URL), as where a team shares one."""
     name = f"cli-demo-{storage.kind}"
     where = storage_args(storage)
+    served = storage.kind == "s3"
+    if served:
+        cli_env = {**cli_env, "PREFECT_API_URL": request.getfixturevalue("prefect_api")}
 
     first = ft_train_cli(
         cli_env, tmp_path, "demo", "--name", name, *where,
@@ -95,6 +101,9 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env
     assert re.search(r"metrics .*val_accuracy=0\.\d+", out), out
     # the injected fault's traceback, once, and no other (Prefect's retry says no more)
     assert traceback_endings(out) == [f"{INJECTED} 7"], out
+    assert ("Starting temporary server" in out) is not served, out
+    if served:
+        assert_the_server_has_the_flow_run(name)
 
     state = stored_state(storage, name)
     assert state.status == "finished"
@@ -122,6 +131,15 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env
     assert missing.returncode == 1, missing.stdout
     assert "no run named 'no-such-run'" in missing.stdout
     assert "Traceback" not in missing.stdout
+
+
+def assert_the_server_has_the_flow_run(name: str) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
+    assert run.state.is_completed()
 
 
 def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(cli_env, tmp_path):
