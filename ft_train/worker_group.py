@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Union
 
@@ -80,15 +81,18 @@ def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[
 def free_ports(client: Client, addrs: list[str]) -> dict[str, int]:
     """A free port on each of the workers that answer within ANSWER_TIMEOUT_S. One that does not
     is frozen (its process stopped, its machine hung) or its event loop is busy (a warm import
-    of torch in a worker that just joined): it is not given a rank now."""
-    try:
-        answers = client.run(free_port, workers=addrs, on_error="return", callback_timeout=ANSWER_TIMEOUT_S)
-    except TimeoutError:  # one at least did not answer: which ones?
-        answers = {}
-        for a in addrs:
-            with contextlib.suppress(TimeoutError):
-                answers.update(client.run(free_port, workers=[a], on_error="return",
-                                          callback_timeout=ANSWER_TIMEOUT_S))
+    of torch in a worker that just joined): it is not given a rank now. Each worker is asked
+    on its own, all at once: one call to all of them tells nothing when one is silent, and
+    asking them one by one would wait ANSWER_TIMEOUT_S for every silent one."""
+
+    def ask(addr: str) -> dict[str, Any]:
+        with contextlib.suppress(TimeoutError):
+            return client.run(free_port, workers=[addr], on_error="return",
+                              callback_timeout=ANSWER_TIMEOUT_S)
+        return {}
+
+    with ThreadPoolExecutor(max_workers=min(32, len(addrs) or 1)) as pool:
+        answers = {a: p for answer in pool.map(ask, addrs) for a, p in answer.items()}
     return {a: p for a, p in answers.items() if isinstance(p, int)}
 
 
