@@ -63,8 +63,13 @@ def train_fn(
 
 def _finished(run: ft_train.RunConfig) -> bool:
     """Has the run finished already? Its rerun trains nothing: a cluster started for it would
-    only take CPU from Prefect's start, then take seconds to close."""
-    state = RunStore(Storage(run.storage_path, run.storage_options), run.name).load()
+    only take CPU from Prefect's start, then take seconds to close. Asked of local storage only,
+    which answers at once: remote storage that cannot be reached (S3: 10 s of retries) would
+    delay the call, then the flow's own read would fail after as long again."""
+    storage = Storage(run.storage_path, run.storage_options)
+    if not storage.is_local:
+        return False
+    state = RunStore(storage, run.name).load()
     return state is not None and state.status == "finished"
 
 
@@ -72,7 +77,7 @@ class _TrainFlow(Flow):
     """The flow, and one thing more for a Python call on a local CPU cluster: that cluster starts
     on a thread at once (its workers fork from a server that imports torch), while Prefect
     starts its API (seconds each in ephemeral mode); the flow's run takes it over. Not for a run
-    that has finished. Deployment runs start it in the flow."""
+    on local storage that has finished. Deployment runs start it in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ahead = None
