@@ -274,4 +274,4 @@ def test_frozen_idle_workers_are_passed_over_when_a_group_starts(tmp_path, clust
     assert attempt.world_size == 2
     # the plugin's broadcast, then one probe of each worker, all at once: 2 x ANSWER_TIMEOUT_S
     assert attempt.started_at.timestamp() - called < 2 * ANSWER_TIMEOUT_S + 10
-    assert {"w0", "w1", "w2"} <= set(cluster.workers())  # still listed: only the probe told
+    assert {"w0", "w1", "w2"} <= set(cluster.workers())  # still listed: only the probe tells
