@@ -163,6 +163,11 @@ def test_a_killed_workers_loader_processes_go_with_it():
         (addr, worker_pid), *_ = client.run(os.getpid).items()
         pids = client.submit(loader_worker_pids, 2, workers=[addr], pure=False).result()
         assert len(pids) == 2 and worker_pid not in pids
+        # forked from the rank's process, as on a plain Linux process: not spawned (which
+        # imports torch again in each, seconds every epoch) nor from a fork server of the rank's
+        loaders = [psutil.Process(p) for p in pids]
+        assert all(p.ppid() == worker_pid for p in loaders)
+        assert not any("spawn_main" in " ".join(p.cmdline()) for p in loaders), loaders[0].cmdline()
         os.kill(worker_pid, signal.SIGKILL)
         # a DataLoader worker checks every 5 s that its parent, the rank's process, lives
         alive = psutil.wait_procs([psutil.Process(p) for p in pids], timeout=30)[1]
