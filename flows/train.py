@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 from prefect import Flow
 
 import ft_train
+from flows import ephemeral
 from ft_train.cluster import Ahead, start_forkserver
 from ft_train.driver import interrupt_or, make_controller
 from ft_train.run_state import RunStore
@@ -74,12 +75,14 @@ def _finished(run: ft_train.RunConfig) -> bool:
 
 
 class _TrainFlow(Flow):
-    """The flow, and one thing more for a Python call on a local CPU cluster: that cluster starts
-    on a thread at once (its workers fork from a server that imports torch), while Prefect
-    starts its API (seconds each in ephemeral mode); the flow's run takes it over. Not for a run
-    on local storage that has finished. Deployment runs start it in the flow."""
+    """The flow, and two things more for a Python call. Prefect's temporary API server, where
+    Prefect would start one, starts at once (`flows.ephemeral`). On a local CPU cluster, that
+    cluster starts on a thread at once too (its workers fork from a server that imports torch);
+    the flow's run takes it over. Not for a run on local storage that has finished. Deployment
+    runs start the cluster in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        server = ephemeral.start()  # first: it is the longest to start
         ahead = None
         with contextlib.suppress(Exception):  # bad input fails in the flow, as without this
             call = inspect.signature(self.fn).bind(*args, **kwargs)
@@ -91,7 +94,8 @@ class _TrainFlow(Flow):
                 start_forkserver()
                 ahead = Ahead(cluster, scaling)
         try:
-            return super().__call__(*args, **kwargs)
+            with ephemeral.api(server):
+                return super().__call__(*args, **kwargs)
         finally:
             if ahead is not None:
                 ahead.drop()  # closes it if the run did not take it

@@ -6,6 +6,7 @@ reads storage without Prefect.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -163,3 +164,51 @@ def test_the_cli_module_does_not_import_prefect(cli_env, tmp_path):
     reads storage alone."""
     code = "import sys, ft_train.cli; sys.exit('prefect' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=cli_env, cwd=tmp_path).returncode == 0
+
+
+EPHEMERAL_DRIVER = """
+import json, sys
+import ft_train
+from prefect import flow, get_client
+from flows import ephemeral
+from flows.train import train
+
+def call(name):
+    return train(train_loop="tests.loops:report_many", train_loop_config={"n": 3},
+                 scaling_config=ft_train.ScalingConfig(num_workers=1),
+                 run_config=ft_train.RunConfig(name=name, storage_path=sys.argv[1])).status
+
+@flow
+def parent():
+    return ephemeral.start()
+
+out = {"statuses": [call("first"), call("second")]}
+server = ephemeral.start()
+out["one_server"] = server is ephemeral.start() and server.process is not None
+with ephemeral.api(server), get_client(sync_client=True) as client:
+    out["flow_runs"] = sorted(r.name for r in client.read_flow_runs())
+    out["inside_a_flow"] = parent()  # a flow called from a flow reports to its parent's API
+out["server_imported"] = "prefect.server.api.server" in sys.modules
+out["pid"] = server.process.pid
+print(json.dumps(out))
+"""
+
+
+def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_exit(cli_env, tmp_path):
+    """In ephemeral mode the call starts Prefect's server process as it begins; the calling
+    process never imports the server's code (Prefect would, for seconds, before it starts the
+    process). Both calls' flow runs are on that one server, which stops when the process exits."""
+    import psutil
+
+    proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")],
+                          env={**cli_env, "PYTHONPATH": os.getcwd()}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["statuses"] == ["finished", "finished"], out
+    assert out["one_server"] and {"first", "second"} <= set(out["flow_runs"]), out
+    assert out["inside_a_flow"] is None, out
+    assert out["server_imported"] is False, out
+    assert not psutil.pid_exists(out["pid"]) or psutil.Process(out["pid"]).status() == "zombie"
+    assert proc.stderr.count("Starting temporary server") == 1, proc.stderr
+    assert TRACEBACK not in proc.stderr + proc.stdout

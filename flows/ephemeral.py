@@ -1,0 +1,144 @@
+"""Prefect's temporary API server, started at the moment a Python call of the flow begins.
+
+With no PREFECT_API_URL, Prefect starts a temporary server the first time a flow asks for its
+client: it imports the server's code in the calling process (about 5 s on 2 cores), then starts
+the server process, which imports the same code again and opens its database (about 7 s). One
+after the other, they were most of the call's time to the first step. Here the call starts that
+server process at once, with the command and settings Prefect uses (uvicorn serving
+`prefect.server.api.server:create_app`, UI off), and runs the flow with PREFECT_API_URL pointing
+to it; the calling process never imports the server. It serves this process's later calls too and
+stops when the process exits, as Prefect's does.
+
+Only where Prefect itself would start one: no PREFECT_API_URL, ephemeral mode on, and no flow
+or task run around the call (a flow called from another flow reports to its parent's API).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+import prefect
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.logging import get_logger
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_SERVER_EPHEMERAL_ENABLED,
+    get_current_settings,
+    temporary_settings,
+)
+
+logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
+
+PORT_IN_USE = 3  # the server's exit status when its port was taken between our check and its bind
+
+
+class TemporaryServer:
+    """One `create_app` server process on a free loopback port; `wait()` until it is healthy."""
+
+    def __init__(self) -> None:
+        self.process: Optional[subprocess.Popen] = None
+        self.port = 0
+        self.healthy = False
+        self._launch()
+        atexit.register(self.stop)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _launch(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        logger.info(
+            f"Starting temporary server on http://127.0.0.1:{self.port}\nSee "
+            "https://www.prefect.io/docs/v3/concepts/server#how-to-guides "
+            "for more information on running a dedicated Prefect server."
+        )
+        env = {
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            **get_current_settings().to_environment_variables(exclude_unset=True),
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parents[1]),
+             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env=env,
+        )
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once the server answers /health; raise if it exits or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client() as client:
+            while not self.healthy:
+                assert self.process is not None
+                code = self.process.poll()
+                if code == PORT_IN_USE:
+                    self._launch()
+                    continue
+                if code is not None:
+                    raise RuntimeError(f"Prefect's temporary server exited with status {code}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"Prefect's temporary server did not answer within {timeout_s:.0f}s; raise "
+                        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or set PREFECT_API_URL "
+                        "to a running server"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    self.healthy = client.get(f"{self.api_url}/health").status_code == 200
+                if not self.healthy:
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        logger.info(f"Stopping temporary server on http://127.0.0.1:{self.port}")
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+
+_server: Optional[TemporaryServer] = None
+_lock = threading.Lock()
+
+
+def start() -> Optional[TemporaryServer]:
+    """This process's temporary server, started now if it is not yet; None where Prefect would
+    not start one (an API is set, ephemeral mode is off, or a flow or task run is around)."""
+    global _server
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
+        return None
+    with _lock:
+        if _server is None or _server.process is None:
+            _server = TemporaryServer()
+        return _server
+
+
+@contextlib.contextmanager
+def api(server: Optional[TemporaryServer]) -> Iterator[None]:
+    """Within: Prefect's API is `server`, once it answers (unchanged where `server` is None)."""
+    if server is None:
+        yield
+        return
+    server.wait(get_current_settings().server.ephemeral.startup_timeout_seconds)
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        yield
