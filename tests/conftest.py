@@ -62,7 +62,18 @@ def make_s3_target(endpoint: str) -> StorageTarget:
 
 @pytest.fixture(params=["local", "s3"])
 def storage(request, tmp_path) -> StorageTarget:
-    """Where a test's runs live: a local directory, then a fresh bucket on the loopback S3."""
+    """Where a test's runs live: a local directory, then a fresh bucket on the loopback S3.
+
+    Tests of storage itself (test_storage_invariants, test_report_path, the CLI demo) run on
+    both. Tests of failure handling run on one each, named with `on_storage` (an `indirect`
+    parametrization), and a file's tests spread over the two: they test the controller, which
+    reaches storage only through `Storage`, and a second run of each would double the suite's
+    slowest part (about 4 of its 16-20 minutes)."""
     if request.param == "local":
         return StorageTarget("local", str(tmp_path / "runs"))
     return make_s3_target(request.getfixturevalue("s3_endpoint"))
+
+
+def on_storage(kind: str) -> pytest.MarkDecorator:
+    """Run a test on one of the `storage` fixture's targets ("local" or "s3") only."""
+    return pytest.mark.parametrize("storage", [kind], indirect=True)

@@ -2,8 +2,9 @@
 work pool, `prefect deploy -n demo` from prefect.yaml, `prefect worker start`, and
 `prefect deployment run 'ft-train/demo'`; then the run's stored result is read back without Prefect.
 
-One server, pool, deployment and worker serve the whole module (starting them takes ~15 s); each
-storage target gets its own run. The worker runs in an empty directory with no project path added:
+One server, pool, deployment and worker serve the whole module (starting them takes ~15 s). The
+run stores on the loopback S3, its storage options passed as a deployment parameter (local storage
+is the CLI demo's). The worker runs in an empty directory with no project path added:
 the flow-run process finds the code only through the deployment's pull step.
 """
 
@@ -26,6 +27,7 @@ import psutil
 import pytest
 
 import ft_train
+from tests.conftest import on_storage
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -135,6 +137,7 @@ def demo_deployment(prefect_server, tmp_path_factory):
         _stop(worker)
 
 
+@on_storage("s3")  # storage_options as a deployment parameter, as a team passes them
 @pytest.mark.timeout(420)
 def test_demo_deployment_trains_to_the_end(demo_deployment, storage):
     env, worker_log = demo_deployment

@@ -57,7 +57,10 @@ def reference_weights(prefect_api, tmp_path_factory):
     return final_weights(train_demo(storage, "reference", demo_config(epochs=2, checkpoint_every=5)))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["sigkill", "ctrl-c"])
+@pytest.mark.parametrize(
+    "storage, sig", [("s3", signal.SIGKILL), ("local", signal.SIGINT)], ids=["s3-sigkill", "local-ctrl-c"],
+    indirect=["storage"],
+)
 def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
     storage, tmp_path, prefect_api, reference_weights, sig
 ):

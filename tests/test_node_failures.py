@@ -14,7 +14,7 @@ from distributed import Client
 import ft_train
 from ft_train.rank import free_port
 from ft_train.session import AGREE_EVERY_MAX
-from tests.conftest import StorageTarget
+from tests.conftest import StorageTarget, on_storage
 from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -90,6 +90,7 @@ def cluster(tmp_path):
         c.close()
 
 
+@on_storage("local")
 def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path, cluster):
     # rank 1 (on worker w1: ranks follow worker names) holds at step 7, after the checkpoint of
     # step 5, so the test can take its machine away mid-run
@@ -156,6 +157,7 @@ def test_too_few_workers_fail_with_a_clear_error(storage, cluster):
     assert load_state(storage, "too-few").status == "failed"
 
 
+@on_storage("s3")
 def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster):
     # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
     gate = fault(tmp_path, 0, 7, kind="until_preempted")
@@ -186,6 +188,7 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
     assert "w0" not in cluster.workers()  # it left; the run went on on w1 and w2
 
 
+@on_storage("s3")
 def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_path, cluster):
     cluster.kill("w2")  # two workers: w0 and w1
     wait_for(lambda: "w2" not in cluster.workers(), 60, "w2 to leave")
@@ -217,7 +220,9 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
     assert "-a1-" in state.attempts[2].restored_from
 
 
-@pytest.mark.parametrize("close", [True, False], ids=["closed", "removed"])
+@pytest.mark.parametrize(
+    "storage, close", [("local", True), ("s3", False)], ids=["local-closed", "s3-removed"], indirect=["storage"]
+)
 def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster, close):
     # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
     gate = fault(tmp_path, 0, 7, kind="until_preempted")

@@ -8,13 +8,13 @@ import pytest
 import ft_train
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
-from tests.conftest import StorageTarget
+from tests.conftest import StorageTarget, on_storage
 from tests.helpers import demo_config, fault, load_state, train_demo
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("storage, kind", [("local", "raise"), ("s3", "kill")], indirect=["storage"])
 def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     # checkpoints every 5 steps; rank 1 fails at step 7, after the checkpoint of step 5.
     # The kill variant also runs DataLoader(num_workers=2) inside each rank, before and after
@@ -61,6 +61,7 @@ def assert_prefect_shows_segments_and_the_retry(run_name, checkpoints):
     assert segments["train-2"].run_count == 2  # the failure at step 7, retried once
 
 
+@on_storage("s3")
 def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, tmp_path):
     config = demo_config([fault(tmp_path, 1, 7)])
     with pytest.raises(ft_train.TrainingFailedError) as err:
@@ -77,6 +78,7 @@ def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, 
     assert result.metrics["resumed_from"] == 5
 
 
+@on_storage("local")
 def test_max_failures_two_fails_on_the_third_failure(storage, tmp_path):
     faults = [fault(tmp_path, 1, 2), fault(tmp_path, 0, 6), fault(tmp_path, 1, 9)]
     with pytest.raises(ft_train.TrainingFailedError) as err:
@@ -89,6 +91,7 @@ def test_max_failures_two_fails_on_the_third_failure(storage, tmp_path):
     assert state.status == "failed" and len(state.failures) == 3 and len(state.attempts) == 3
 
 
+@on_storage("local")
 def test_unlimited_failures_survive_five(storage, tmp_path):
     faults = [fault(tmp_path, s % 2, s) for s in (1, 3, 6, 8, 11)]
     result = train_demo(storage, "budget-inf", demo_config(faults), max_failures=-1)
@@ -210,6 +213,7 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
     assert restarted - failure.time.timestamp() < ANSWER_TIMEOUT_S + 5
 
 
+@on_storage("s3")
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
     # rank 1 sleeps forever inside its loop, once
     recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="wait"), 10.0)
