@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,8 @@ from prefect.settings import (
     get_current_settings,
     temporary_settings,
 )
+
+from ft_train.rank import free_port
 
 logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
 
@@ -57,9 +58,7 @@ class TemporaryServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _launch(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         logger.info(
             f"Starting temporary server on http://127.0.0.1:{self.port}\nSee "
             "https://www.prefect.io/docs/v3/concepts/server#how-to-guides "

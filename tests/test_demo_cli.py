@@ -11,12 +11,14 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 
+REPO = str(Path(__file__).resolve().parents[1])
 TRACEBACK = "Traceback (most recent call last):"
 INJECTED = "ft_train.faults.InjectedFault: injected fault on rank 1 at step"
 
@@ -201,7 +203,7 @@ def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_
     import psutil
 
     proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")],
-                          env={**cli_env, "PYTHONPATH": os.getcwd()}, cwd=tmp_path,
+                          env={**cli_env, "PYTHONPATH": REPO}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
