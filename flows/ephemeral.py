@@ -42,6 +42,14 @@ logger = get_logger()  # "prefect", where Prefect says it starts and stops its t
 
 PORT_IN_USE = 3  # the server's exit status when its port was taken between our check and its bind
 
+# How long to wait for the server where PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is not
+# set. Prefect's default, 20 s, is too short for a first start on 2 cores: the server imports its
+# code, then creates its database (migrations and block types), 19 to 25 s in all here, against
+# 9 s once the database exists. Prefect's own start fails the same way at random (its issue
+# #16397); a user's first `ft-train demo` must not. The wait ends at once if the process exits.
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+STILL_STARTING_S = 15.0  # a wait this long says why it takes so long, once
+
 
 class TemporaryServer:
     """One `create_app` server process on a free loopback port; `wait()` until it is healthy."""
@@ -80,9 +88,14 @@ class TemporaryServer:
 
     def wait(self, timeout_s: float) -> None:
         """Return once the server answers /health; raise if it exits or `timeout_s` passes."""
-        deadline = time.monotonic() + timeout_s
+        started, told = time.monotonic(), False
+        deadline = started + timeout_s
         with httpx.Client() as client:
             while not self.healthy:
+                if not told and time.monotonic() - started > STILL_STARTING_S:
+                    logger.info(f"The temporary server is still starting (a first start creates its "
+                                f"database); waiting up to {timeout_s:.0f}s")
+                    told = True
                 assert self.process is not None
                 code = self.process.poll()
                 if code == PORT_IN_USE:
@@ -132,12 +145,21 @@ def start() -> Optional[TemporaryServer]:
         return _server
 
 
+def startup_timeout_s() -> float:
+    """PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS where it is set (environment, profile or
+    temporary settings), else DEFAULT_STARTUP_TIMEOUT_S."""
+    settings = get_current_settings().server.ephemeral
+    if "startup_timeout_seconds" in settings.model_fields_set:
+        return float(settings.startup_timeout_seconds)
+    return DEFAULT_STARTUP_TIMEOUT_S
+
+
 @contextlib.contextmanager
 def api(server: Optional[TemporaryServer]) -> Iterator[None]:
     """Within: Prefect's API is `server`, once it answers (unchanged where `server` is None)."""
     if server is None:
         yield
         return
-    server.wait(get_current_settings().server.ephemeral.startup_timeout_seconds)
+    server.wait(startup_timeout_s())
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
         yield

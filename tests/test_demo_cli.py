@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from flows import ephemeral
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 
@@ -26,14 +27,14 @@ INJECTED = "ft_train.faults.InjectedFault: injected fault on rank 1 at step"
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory) -> dict[str, str]:
     """The child's environment: its own Prefect home (shared by this module's runs, so only the
-    first one pays for the database migrations), no Prefect API (ephemeral mode), no telemetry,
-    and a temporary folder of its own for the demo's fault markers."""
+    first one pays for creating the database), no Prefect API (ephemeral mode) and Prefect's
+    other settings at their defaults, no telemetry, and a temporary folder of its own for the
+    demo's fault markers."""
     env = dict(os.environ)
     for key in [k for k in env if k.startswith("PREFECT_")]:
         del env[key]
     env["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
     env["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
     return env
 
@@ -192,6 +193,7 @@ with ephemeral.api(server), get_client(sync_client=True) as client:
     out["inside_a_flow"] = parent()  # a flow called from a flow reports to its parent's API
 out["server_imported"] = "prefect.server.api.server" in sys.modules
 out["pid"] = server.process.pid
+out["startup_timeout_s"] = ephemeral.startup_timeout_s()
 print(json.dumps(out))
 """
 
@@ -199,11 +201,13 @@ print(json.dumps(out))
 def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_exit(cli_env, tmp_path):
     """In ephemeral mode the call starts Prefect's server process as it begins; the calling
     process never imports the server's code (Prefect would, for seconds, before it starts the
-    process). Both calls' flow runs are on that one server, which stops when the process exits."""
+    process). Both calls' flow runs are on that one server, which stops when the process exits.
+    A Prefect home of its own: the server's first start, which creates its database (longer than
+    Prefect's 20 s default wait on 2 cores, at times), with Prefect's settings at their defaults."""
     import psutil
 
-    proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")],
-                          env={**cli_env, "PYTHONPATH": REPO}, cwd=tmp_path,
+    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -211,6 +215,37 @@ def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_
     assert out["one_server"] and {"first", "second"} <= set(out["flow_runs"]), out
     assert out["inside_a_flow"] is None, out
     assert out["server_imported"] is False, out
+    assert out["startup_timeout_s"] == ephemeral.DEFAULT_STARTUP_TIMEOUT_S, out
     assert not psutil.pid_exists(out["pid"]) or psutil.Process(out["pid"]).status() == "zombie"
     assert proc.stderr.count("Starting temporary server") == 1, proc.stderr
     assert TRACEBACK not in proc.stderr + proc.stdout
+
+
+def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env, tmp_path):
+    """PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, where set, bounds the wait for the
+    temporary server; when it passes, the call fails with an error that names the setting, and
+    the server process is stopped at exit."""
+    import psutil
+
+    script = (
+        "import sys, ft_train\n"
+        "from flows import ephemeral\n"
+        "from flows.train import train\n"
+        "print('timeout', ephemeral.startup_timeout_s(), flush=True)\n"
+        "print('pid', ephemeral.start().process.pid, flush=True)\n"
+        "train(train_loop='tests.loops:report_many', train_loop_config={'n': 3},\n"
+        "      run_config=ft_train.RunConfig(name='late', storage_path=sys.argv[1]))\n"
+    )
+    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "runs")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "timeout 1.0" in proc.stdout, proc.stdout
+    assert traceback_endings(proc.stderr) == [
+        "RuntimeError: Prefect's temporary server did not answer within 1s; raise "
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or set PREFECT_API_URL to a running server"
+    ], proc.stderr[-2000:]
+    pid = int(proc.stdout.split("pid ")[1].split()[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    assert not (tmp_path / "runs").exists()  # nothing stored: the run never began
