@@ -322,10 +322,8 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config, marker = _demo_config(args, run_config, before)
     _announce(args, before, crash=marker is not None)
 
-    # Before Prefect is imported: an offline machine must not print telemetry errors, and the
-    # temporary server's first start (a fresh database) may take longer than Prefect's 20 s.
+    # Before Prefect is imported: an offline machine must not print telemetry errors.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.train import train  # imports Prefect and sets up its logging
 
     _quiet_console()
