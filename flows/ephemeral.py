@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +41,9 @@ from ft_train.rank import free_port
 
 logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
 
-PORT_IN_USE = 3  # the server's exit status when its port was taken between our check and its bind
+# uvicorn's exit status when its app failed to start (a database it cannot open, say) or its port
+# was taken between our check and its bind; only the second is worth another try, on a new port.
+STARTUP_FAILURE = 3
 
 # How long to wait for the server where PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is not
 # set. Prefect's default, 20 s, is too short for a first start on 2 cores: the server imports its
@@ -58,6 +61,7 @@ class TemporaryServer:
         self.process: Optional[subprocess.Popen] = None
         self.port = 0
         self.healthy = False
+        self.stopping = False
         self._launch()
         atexit.register(self.stop)
 
@@ -84,7 +88,21 @@ class TemporaryServer:
              "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
+        threading.Thread(target=self._relay, args=(self.process,), name="ft-train-prefect-server-output",
+                         daemon=True).start()
+
+    def _relay(self, process: subprocess.Popen) -> None:
+        """Pass the server's output on to this process's stderr, until it is told to stop. What it
+        prints while it stops is dropped: Prefect's services, cancelled mid-flush, print tracebacks
+        at times (a run that had finished printed five), and a run that failed nothing must
+        print none."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            if not self.stopping:
+                sys.stderr.write(line.decode(errors="replace"))
 
     def wait(self, timeout_s: float) -> None:
         """Return once the server answers /health; raise if it exits or `timeout_s` passes."""
@@ -98,11 +116,12 @@ class TemporaryServer:
                     told = True
                 assert self.process is not None
                 code = self.process.poll()
-                if code == PORT_IN_USE:
+                if code == STARTUP_FAILURE and _taken(self.port):
                     self._launch()
                     continue
                 if code is not None:
-                    raise RuntimeError(f"Prefect's temporary server exited with status {code}")
+                    raise RuntimeError(f"Prefect's temporary server exited with status {code}; its "
+                                       "output above says why")
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"Prefect's temporary server did not answer within {timeout_s:.0f}s; raise "
@@ -118,6 +137,7 @@ class TemporaryServer:
         if self.process is None:
             return
         logger.info(f"Stopping temporary server on http://127.0.0.1:{self.port}")
+        self.stopping = True
         self.process.terminate()
         try:
             self.process.wait(timeout=5)
@@ -125,6 +145,15 @@ class TemporaryServer:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 _server: Optional[TemporaryServer] = None

@@ -249,3 +249,44 @@ def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env
     pid = int(proc.stdout.split("pid ")[1].split()[0])
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     assert not (tmp_path / "runs").exists()  # nothing stored: the run never began
+
+
+SERVER_START = """
+import socket, sys, time
+from flows import ephemeral
+if sys.argv[1] == "taken":  # the first port the server is given is taken by then
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    print("taken", holder.getsockname()[1], flush=True)
+    ports = iter([holder.getsockname()[1]])
+    free_port = ephemeral.free_port
+    ephemeral.free_port = lambda: next(ports, None) or free_port()
+t0 = time.monotonic()
+server = ephemeral.start()
+server.wait(ephemeral.startup_timeout_s())
+print("healthy", server.port, round(time.monotonic() - t0, 1), flush=True)
+"""
+
+
+def test_the_temporary_server_moves_to_another_port_if_its_own_was_taken(cli_env, tmp_path):
+    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    proc = subprocess.run([sys.executable, "-c", SERVER_START, "taken"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = dict(line.split()[:2] for line in proc.stdout.splitlines())
+    assert out["healthy"] != out["taken"], proc.stdout  # it answers on another port
+
+
+def test_a_temporary_server_that_cannot_start_fails_the_call_at_once_with_its_own_output(cli_env, tmp_path):
+    """A server whose app fails to start (here: a database it cannot open) is not started again
+    until the timeout passes: the call fails as soon as it exits, and the user sees its error."""
+    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db"}
+    proc = subprocess.run([sys.executable, "-c", SERVER_START, "-"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "unable to open database file" in proc.stderr, proc.stderr[-3000:]  # the server's own
+    assert proc.stderr.count("Application startup failed") == 1, proc.stderr  # not started again
+    assert proc.stderr.splitlines()[-1] == (
+        "RuntimeError: Prefect's temporary server exited with status 3; its output above says why")
