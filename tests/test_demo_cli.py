@@ -270,7 +270,7 @@ print("healthy", server.port, round(time.monotonic() - t0, 1), flush=True)
 
 
 def test_the_temporary_server_moves_to_another_port_if_its_own_was_taken(cli_env, tmp_path):
-    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**cli_env, "PYTHONPATH": REPO}  # the module's Prefect home: its database exists by now
     proc = subprocess.run([sys.executable, "-c", SERVER_START, "taken"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
