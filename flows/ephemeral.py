@@ -7,7 +7,8 @@ after the other, they were most of the call's time to the first step. Here the c
 server process at once, with the command and settings Prefect uses (uvicorn serving
 `prefect.server.api.server:create_app`, UI off), and runs the flow with PREFECT_API_URL pointing
 to it; the calling process never imports the server. It serves this process's later calls too and
-stops when the process exits, as Prefect's does.
+stops when the process exits, as Prefect's does, and also when the process is killed, which
+Prefect's does not (`flows/ephemeral_server.py`).
 
 Only where Prefect itself would start one: no PREFECT_API_URL, ephemeral mode on, and no flow
 or task run around the call (a flow called from another flow reports to its parent's API).
@@ -84,10 +85,12 @@ class TemporaryServer:
             **get_current_settings().to_environment_variables(exclude_unset=True),
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parents[1]),
+            [sys.executable, str(Path(__file__).with_name("ephemeral_server.py")),
+             "--app-dir", str(Path(prefect.__file__).parents[1]),
              "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
             env=env,
+            stdin=subprocess.PIPE,  # closed when this process ends: the server then stops too
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,7 +254,7 @@ def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env
 
 
 SERVER_START = """
-import socket, sys
+import os, signal, socket, sys
 from flows import ephemeral
 if sys.argv[1] == "taken":  # the first port the server is given is taken by then
     holder = socket.socket()
@@ -264,7 +266,9 @@ if sys.argv[1] == "taken":  # the first port the server is given is taken by the
     ephemeral.free_port = lambda: next(ports, None) or free_port()
 server = ephemeral.start()
 server.wait(ephemeral.startup_timeout_s())
-print("healthy", server.port, flush=True)
+print("healthy", server.port, server.process.pid, flush=True)
+if sys.argv[1] == "killed":  # as the OOM killer or `kill -9` ends a driver: no atexit runs
+    os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -275,6 +279,29 @@ def test_the_temporary_server_moves_to_another_port_if_its_own_was_taken(cli_env
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = dict(line.split()[:2] for line in proc.stdout.splitlines())
     assert out["healthy"] != out["taken"], proc.stdout  # it answers on another port
+
+
+def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(cli_env, tmp_path):
+    """A driver killed outright (SIGKILL, the OOM killer) runs no atexit. Its temporary server
+    stops all the same, rather than serving nobody until the machine restarts: the next run of
+    the same name, on the same machine, would share the cores with it."""
+    import psutil
+
+    env = {**cli_env, "PYTHONPATH": REPO}  # the module's Prefect home: its database exists by now
+    proc = subprocess.run([sys.executable, "-c", SERVER_START, "killed"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    pid = int(proc.stdout.split()[2])
+
+    def gone() -> bool:
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+    deadline = time.monotonic() + 30
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not gone():
+        psutil.Process(pid).kill()  # leave nothing behind for the next tests
+        pytest.fail("the temporary server outlived the process that started it by 30 s")
 
 
 def test_a_temporary_server_that_cannot_start_fails_the_call_at_once_with_its_own_output(cli_env, tmp_path):
