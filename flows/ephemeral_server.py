@@ -4,9 +4,10 @@ watch that stops the server once the process that started it is gone.
 That process stops its server at exit. A process killed outright (SIGKILL, the OOM killer) runs
 nothing at exit, and its server went on serving nobody, with its memory and a few percent of a
 core, until the machine restarted; the rerun that resumes the run shared the cores with it. The
-starting process holds the only copy of the write end of this process's stdin, a pipe (Popen's
-pipes are not inherited by the processes it starts), which the kernel closes when that process
-ends, however it ends: stdin then reads to its end. Run by its path, so it imports uvicorn alone.
+starting process holds the write end of this process's stdin, a pipe; Python opens it
+close-on-exec, so the other processes it starts (the fork server, Dask's workers) get no copy. The
+kernel closes it when that process ends, however it ends, and stdin then reads to its end. Run by
+its path, so it imports uvicorn alone.
 """
 
 import os
