@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from flows import ephemeral
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
+from tests.helpers import wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
 TRACEBACK = "Traceback (most recent call last):"
@@ -293,15 +293,12 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(cli
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     pid = int(proc.stdout.split()[2])
 
-    def gone() -> bool:
-        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-
-    deadline = time.monotonic() + 30
-    while not gone() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not gone():
+    try:
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+                 30, "the temporary server to stop after the process that started it was killed")
+    except AssertionError:
         psutil.Process(pid).kill()  # leave nothing behind for the next tests
-        pytest.fail("the temporary server outlived the process that started it by 30 s")
+        raise
 
 
 def test_a_temporary_server_that_cannot_start_fails_the_call_at_once_with_its_own_output(cli_env, tmp_path):
