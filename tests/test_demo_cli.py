@@ -68,6 +68,13 @@ def traceback_endings(output: str) -> list[str]:
     return endings
 
 
+def gone(pid: int) -> bool:
+    """Has process `pid` ended? (A zombie has: only its exit status is left to collect.)"""
+    import psutil
+
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def storage_args(storage) -> list[str]:
     args = ["--storage-path", storage.path]
     for key, value in storage.options.items():
@@ -206,8 +213,6 @@ def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_
     process). Both calls' flow runs are on that one server, which stops when the process exits.
     A Prefect home of its own: the server's first start, which creates its database (longer than
     Prefect's 20 s default wait on 2 cores, at times), with Prefect's settings at their defaults."""
-    import psutil
-
     env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -218,7 +223,7 @@ def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_
     assert out["inside_a_flow"] is None, out
     assert out["server_imported"] is False, out
     assert out["startup_timeout_s"] == ephemeral.DEFAULT_STARTUP_TIMEOUT_S, out
-    assert not psutil.pid_exists(out["pid"]) or psutil.Process(out["pid"]).status() == "zombie"
+    assert gone(out["pid"])
     assert proc.stderr.count("Starting temporary server") == 1, proc.stderr
     assert TRACEBACK not in proc.stderr + proc.stdout
 
@@ -227,8 +232,6 @@ def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env
     """PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, where set, bounds the wait for the
     temporary server; when it passes, the call fails with an error that names the setting, and
     the server process is stopped at exit."""
-    import psutil
-
     script = (
         "import sys, ft_train\n"
         "from flows import ephemeral\n"
@@ -249,7 +252,7 @@ def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or set PREFECT_API_URL to a running server"
     ], proc.stderr[-2000:]
     pid = int(proc.stdout.split("pid ")[1].split()[0])
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    assert gone(pid)
     assert not (tmp_path / "runs").exists()  # nothing stored: the run never began
 
 
@@ -294,8 +297,7 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(cli
     pid = int(proc.stdout.split()[2])
 
     try:
-        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-                 30, "the temporary server to stop after the process that started it was killed")
+        wait_for(lambda: gone(pid), 30, "the temporary server to stop after the process that started it was killed")
     except AssertionError:
         psutil.Process(pid).kill()  # leave nothing behind for the next tests
         raise
