@@ -7,11 +7,17 @@ protocol in `checkpoint_manager` can be read in one place and tested against a f
 Atomicity: `write_atomic` is the only way a small document is written. On a local disk it writes a
 temporary file and renames it over the target (POSIX rename is atomic); on object stores a single
 PUT is atomic and there is no rename, so it is one `pipe_file`.
+
+Compare-and-swap: `read_versioned` and `write_if`, for the driver's lease (`lease`). On S3 a
+conditional PUT (If-None-Match / If-Match on the ETag); on a local disk the compare and the
+rename under an flock held for that write only. Other fsspec stores get the same compare without
+the atomicity: two writers within milliseconds of each other may both succeed there.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import posixpath
@@ -53,6 +59,34 @@ def _copy_chunk(fin: int, fout: int, offset: int, chunk: memoryview, in_kernel: 
     while done < n:
         done += os.pwrite(fout, chunk[done:], offset + done)
     return in_kernel
+
+
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _replace_local(path: str, data: bytes) -> None:
+    """Write a temporary file beside `path` and rename it over `path` (POSIX rename is atomic)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _content_tag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _precondition_failed(error: OSError) -> bool:
+    """Did S3 refuse a conditional write because the object changed (or appeared, or went)?"""
+    if isinstance(error, (FileExistsError, FileNotFoundError)):
+        return True
+    code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 def file_digest(path: str) -> FileInfo:
@@ -119,15 +153,63 @@ class Storage:
         """Readers see the old content or the new, never a torn file."""
         target = self.full(path)
         if self.is_local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            _replace_local(target, data)
         else:
             self.fs.pipe_file(target, data)
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        """The object's bytes and a tag of this version of it (for `write_if`), or None when it
+        does not exist."""
+        full = self.full(path)
+        try:
+            if self._is_s3:
+                self.fs.invalidate_cache(full)
+                # the tag first: should the object change in between, a write_if fails
+                etag = self.fs.info(full)["ETag"].strip('"')
+                return self.fs.cat_file(full), etag
+            data = _read_local(full) if self.is_local else self.fs.cat_file(full)
+        except FileNotFoundError:
+            return None
+        return data, _content_tag(data)
+
+    def write_if(self, path: str, data: bytes, tag: str | None) -> str | None:
+        """Write `data` only if the object is still the version `tag` (from `read_versioned`),
+        or, with `tag` None, does not exist. Returns the new version's tag, or None (nothing
+        written) when another writer changed it first."""
+        target = self.full(path)
+        if self._is_s3:
+            condition = {"mode": "create"} if tag is None else {"IfMatch": tag}
+            try:
+                return self.fs.pipe_file(target, data, **condition)["ETag"].strip('"')
+            except OSError as e:
+                if _precondition_failed(e):
+                    return None
+                raise
+        if not self.is_local:  # not atomic: see the module's docstring
+            current = self.read_versioned(path)
+            if (None if current is None else current[1]) != tag:
+                return None
+            self.fs.pipe_file(target, data)
+            return _content_tag(data)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd = os.open(f"{target}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # against other processes' and threads' write_if
+            try:
+                current: bytes | None = _read_local(target)
+            except FileNotFoundError:
+                current = None
+            if (None if current is None else _content_tag(current)) != tag:
+                return None
+            _replace_local(target, data)
+            return _content_tag(data)
+        finally:
+            os.close(fd)
+
+    @property
+    def _is_s3(self) -> bool:
+        protocol = self.fs.protocol
+        return "s3" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
 
     def upload_dir(
         self, local_dir: str, path: str, should_stop: Callable[[], bool] | None = None
