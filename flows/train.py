@@ -1,8 +1,8 @@
 """The `ft-train` flow: one flow run is one training run, named after `run_config.name`.
 
-It only sequences the tasks: prepare (rehydrate by name), provision workers, train one segment
-per checkpoint (a task run each; retries of it are the restarts, capped by what is left of
-max_failures), finalize. A rerun with the same (storage_path, name) resumes; a finished run is
+It only sequences the tasks: prepare (take the run's lease, rehydrate by name), provision
+workers, train one segment per checkpoint (a task run each; retries of it are the restarts,
+capped by what is left of max_failures), finalize. A rerun with the same (storage_path, name) resumes; a finished run is
 returned without training again.
 """
 
@@ -44,6 +44,7 @@ def train_fn(
     if plan.finished:
         return finalize(plan)
     with contextlib.ExitStack() as stack:
+        stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
         controller = make_controller(plan, client)
         try:

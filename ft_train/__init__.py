@@ -10,6 +10,7 @@ from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, S
 from .errors import (
     ConfigError,
     FtTrainError,
+    RunLockedError,
     SessionError,
     StorageError,
     TrainingFailedError,
@@ -33,6 +34,7 @@ __all__ = [
     "FtTrainError",
     "PreemptionInfo",
     "RunConfig",
+    "RunLockedError",
     "ScalingConfig",
     "SessionError",
     "StorageError",

@@ -123,6 +123,7 @@ class CheckpointManager:
     def collect_orphans(self, state: RunState) -> list[str]:
         """Delete checkpoint directories the run state does not reference (crash leftovers).
         Reads the sealed chunks too: a sealed checkpoint is referenced, never an orphan."""
+        self.store.fence()  # a driver that lost the run must not delete the new one's uploads
         referenced = {e.dir_name for e in self.store.all_checkpoints(state)}
         orphans = [
             n

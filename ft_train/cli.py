@@ -3,8 +3,8 @@
     ft-train demo     train the digits example as the Prefect flow, on a local Dask cluster,
                       in Prefect's ephemeral mode (no server to start); optionally crash a rank
                       once to show a restart from the latest checkpoint
-    ft-train status   print a stored run (status, checkpoints, failures, metrics); reads storage
-                      only, no Prefect
+    ft-train status   print a stored run (status, checkpoints, failures, metrics, the driver
+                      that holds it); reads storage only, no Prefect
 
 The library never imports Prefect: `flows.train` is imported inside the demo command only, after
 the environment defaults below are in place. Exit codes: 0 success, 1 a failed or missing run,
@@ -33,8 +33,9 @@ from .config import (
     ScalingConfig,
 )
 from .errors import FtTrainError, StorageError
+from .lease import holder_alive, read_lease
 from .result import TrainResult
-from .run_state import RunState, RunStore
+from .run_state import RunState, RunStore, now
 from .storage import Storage
 
 DEMO_TRAIN_LOOP = "ft_train.examples.digits:train_loop"
@@ -386,14 +387,22 @@ def show_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         state = _load_state(run_config)
         if state is None:
             raise StorageError(f"no run named {args.name!r} under {run_config.storage_path}")
-        result = TrainResult.from_state(
-            Storage(run_config.storage_path, run_config.storage_options), state
-        )
+        storage = Storage(run_config.storage_path, run_config.storage_options)
+        result = TrainResult.from_state(storage, state)
+        lease = read_lease(storage, args.name)
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     print(f"Run {args.name!r}")
     print_summary(result)
+    if lease is not None and not lease.released:
+        alive = holder_alive(lease)
+        verdict = {
+            True: "training it now",
+            False: "gone without an end (killed); the next flow run resumes",
+            None: f"on another machine; renewed {(now() - lease.renewed_at).total_seconds():.0f}s ago",
+        }[alive]
+        print(f"  {'driver':<12} {lease.describe()}: {verdict}")
     return EXIT_OK
 
 

@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional, Union
 from .checkpoint_manager import CheckpointManager
 from .config import RunConfig, ScalingConfig
 from .controller import Controller
-from .errors import ConfigError, StorageError
+from .errors import ConfigError, RunLockedError, StorageError
+from .lease import RunLease
 from .rank import load_train_loop
 from .result import TrainResult
 from .run_state import FailureRecord, RunState, RunStore, fingerprint
@@ -31,10 +32,15 @@ class RunPlan:
     storage: Storage
     store: RunStore
     state: RunState
+    lease: RunLease
 
     @property
     def finished(self) -> bool:
         return self.state.status == "finished"
+
+    def release(self) -> None:
+        """The driver is done with the run: the next one may start at once."""
+        self.lease.release()
 
     def result(self) -> TrainResult:
         return TrainResult.from_state(self.storage, self.state, self.run_config.checkpoint_config)
@@ -46,8 +52,11 @@ def prepare_run(
     scaling: ScalingConfig,
     run_config: RunConfig,
     log: Callable[[str], None] = logger.info,
+    holder: str = "",
 ) -> RunPlan:
-    """Validate the input and find (or create) the run state. Fails before any worker starts."""
+    """Validate the input, take the run's lease (`holder` says who for: a flow run) and find
+    (or create) the run state. Fails before any worker starts; a run that another driver is
+    training raises RunLockedError. The caller calls `release()` on the plan when done."""
     load_train_loop(train_loop)
     config = dict(train_loop_config or {})
     try:
@@ -57,15 +66,36 @@ def prepare_run(
 
     storage = Storage(run_config.storage_path, run_config.storage_options)
     store = RunStore(storage, run_config.name)
+    lease = RunLease(storage, run_config.name, holder, log=log)
     try:
-        state = store.load()
-    except StorageError:
-        raise
-    except Exception as e:
+        lease.acquire()
+        store.lease = lease
+        plan = _rehydrate(train_loop, config, scaling, run_config, storage, store, lease, log)
+    except BaseException as e:
+        lease.release()
+        if isinstance(e, (StorageError, RunLockedError)) or not isinstance(e, Exception):
+            raise
         raise StorageError(
             f"cannot read run state under {run_config.storage_path} ({type(e).__name__}: {e}); "
             "check run_config.storage_path and run_config.storage_options"
         ) from None
+    if plan.finished:
+        plan.release()  # nothing to write
+    return plan
+
+
+def _rehydrate(
+    train_loop: Union[str, Callable],
+    config: dict[str, Any],
+    scaling: ScalingConfig,
+    run_config: RunConfig,
+    storage: Storage,
+    store: RunStore,
+    lease: RunLease,
+    log: Callable[[str], None],
+) -> RunPlan:
+    """Load the run state (or create it), under the lease, and record this driver's start."""
+    state = store.load()
     fp = fingerprint(
         train_loop=train_loop if isinstance(train_loop, str) else getattr(train_loop, "__qualname__", ""),
         config=config,
@@ -78,22 +108,28 @@ def prepare_run(
         log(f"new run {run_config.name!r} at {where}")
     elif state.status == "finished":
         log(f"run {run_config.name!r} at {where} already finished; nothing to train")
-        return RunPlan(train_loop, config, scaling, run_config, storage, store, state)
+        return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
     else:
-        _resume(state, fp, where, log)
+        # A driver that ended released the lease; one that was killed could not.
+        crashed = lease.previous is None or not lease.previous.released
+        _resume(state, fp, where, log, crashed)
     state.driver_runs += 1
     try:
         store.save(state)
+    except RunLockedError:
+        raise
     except Exception as e:
         raise StorageError(
             f"cannot write to {where} ({type(e).__name__}: {e}); check run_config.storage_path "
             "and run_config.storage_options"
         ) from None
-    return RunPlan(train_loop, config, scaling, run_config, storage, store, state)
+    return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
 
 
-def _resume(state: RunState, fp: str, where: str, log: Callable[[str], None]) -> None:
-    if state.status == "running":
+def _resume(
+    state: RunState, fp: str, where: str, log: Callable[[str], None], crashed: bool
+) -> None:
+    if state.status == "running" and crashed:
         # The previous driver never recorded an end: it was killed. Not charged to max_failures.
         state.failures.append(
             FailureRecord(
@@ -142,6 +178,8 @@ def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.i
         agreement_interval_s=plan.run_config.failure_config.agreement_interval_s,
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
-    return Controller(
+    controller = Controller(
         client, group_plan, plan.state, plan.store, manager, plan.run_config.failure_config, log
     )
+    plan.lease.on_lost = controller.lease_lost  # stop training at once, not at the next write
+    return controller

@@ -9,6 +9,7 @@
     ├── WorkerGroupError             a rank raised, died, or its worker was lost: retryable
     │   └── (carries `failure`, a FailureRecord)
     ├── WorkerStartupError           not enough workers arrived in time
+    ├── RunLockedError               another driver is training the run (it holds the lease)
     └── TrainingFailedError          the failure budget is spent: the run has failed
 
 Every exception here pickles (Prefect and Dask move them between processes): each keeps its
@@ -81,3 +82,8 @@ class RankFailure(Exception):
 
     def __str__(self) -> str:
         return f"rank {self.rank} raised at step {self.step}: {self.error}"
+
+
+class RunLockedError(FtTrainError):
+    """Another driver holds the run's lease (it is training the run now), or this driver lost
+    it. Never retried: the other driver owns the run."""

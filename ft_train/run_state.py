@@ -131,6 +131,12 @@ class RunStore:
     def __init__(self, storage: Storage, name: str):
         self.storage, self.name = storage, name
         self.path = f"{name}/{STATE_FILE}"
+        self.lease = None  # the driver's RunLease: every write asks it first
+
+    def fence(self) -> None:
+        """Raise RunLockedError if this driver no longer holds the run's lease."""
+        if self.lease is not None:
+            self.lease.check()
 
     def load(self) -> Optional[RunState]:
         """The head, or None for a new run: one read, whatever the run's history."""
@@ -149,6 +155,7 @@ class RunStore:
             raise StorageError(f"{self.storage.uri(self.path)} is not a run state: {e}") from None
 
     def save(self, state: RunState) -> None:
+        self.fence()
         state.schema_version = SCHEMA_VERSION
         state.updated_at = now()
         self.storage.write_atomic(self.path, state.model_dump_json(indent=1).encode())
@@ -160,6 +167,7 @@ class RunStore:
         """Write sealed chunk `index`. The caller saves the head that counts it only afterwards;
         a chunk left unreferenced by a crash is overwritten, with the same entries, by the next
         seal."""
+        self.fence()
         chunk = IndexChunk(checkpoints=entries)
         self.storage.write_atomic(self.chunk_path(index), chunk.model_dump_json(indent=1).encode())
 

@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, Callable, Optional, Union
 
 from prefect import get_run_logger, task
+from prefect.runtime import flow_run
 from prefect.cache_policies import NO_CACHE
 
 import ft_train
@@ -27,9 +28,11 @@ def prepare_run(
     scaling_config: ft_train.ScalingConfig,
     run_config: ft_train.RunConfig,
 ) -> RunPlan:
-    """Validate the input and rehydrate the run state from storage (one read)."""
+    """Validate the input, take the run's lease (one driver per run) and rehydrate the run
+    state from storage (one read)."""
+    holder = f"flow run {flow_run.name!r} ({flow_run.id})" if flow_run.id else ""
     return _prepare_run(
-        train_loop, train_loop_config, scaling_config, run_config, get_run_logger().info
+        train_loop, train_loop_config, scaling_config, run_config, get_run_logger().info, holder
     )
 
 

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import StorageTarget
+from ft_train.errors import RunLockedError
+from ft_train.lease import LEASE_FILE, LeaseDoc
+from ft_train.run_state import STATE_FILE, now
+from ft_train.storage import Storage
+from tests.conftest import StorageTarget, on_storage
 from tests.helpers import (
     assert_bit_identical,
     demo_config,
@@ -75,6 +79,12 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
             what="the second checkpoint of the driver under test",
         )
         wait_for(lambda: os.path.exists(hold["marker"]), 60, "rank 0 to hold at step 10")
+        # A second driver for the run (an overlapping scheduled run) is refused while this one
+        # lives, and leaves the run state as it was.
+        before = Storage(storage.path, storage.options).read_bytes(f"victim/{STATE_FILE}")
+        with pytest.raises(RunLockedError, match=f"pid {driver.pid} "):
+            train_demo(storage, "victim", config)
+        assert Storage(storage.path, storage.options).read_bytes(f"victim/{STATE_FILE}") == before
         os.killpg(driver.pid, sig)  # Ctrl+C in a terminal also signals the whole group
         assert wait_exit(driver, 120, tmp_path / "driver-victim.log") != 0
     finally:
@@ -145,3 +155,27 @@ def test_ctrl_c_while_prefect_creates_a_task_run_is_an_interrupt(tmp_path, prefe
     state = load_state(storage, "interrupted")
     assert state.status == "interrupted"
     assert [(f.kind, f.charged) for f in state.failures] == [("driver_interrupt", False)]
+
+
+@on_storage("local")
+def test_a_driver_whose_run_another_driver_took_over_stops_without_writing(storage, tmp_path, prefect_api):
+    """Another driver takes the run's lease (as one on another machine does once this one has
+    gone a ttl without renewing it): this driver notices at its next renewal, stops its ranks
+    and exits with RunLockedError, and writes nothing more to the run."""
+    hold = {"rank": 1, "step": 3, "kind": "wait", "marker": str(tmp_path / "hold")}
+    driver = start_driver(storage, "taken", demo_config([hold]), prefect_api, tmp_path)
+    log = tmp_path / "driver-taken.log"
+    runs = Storage(storage.path, storage.options)
+    try:
+        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 1 to hold at step 3")
+        thief = LeaseDoc(owner="thief", machine="another-machine", host="node-7", pid=4242,
+                         pid_started=1.0, ttl_s=30.0, acquired_at=now(), renewed_at=now())
+        runs.write_atomic(f"taken/{LEASE_FILE}", thief.model_dump_json().encode())
+        before = runs.read_bytes(f"taken/{STATE_FILE}")
+        assert wait_exit(driver, 60, log) != 0
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert "RunLockedError" in log.read_text() and "another driver took the run over" in log.read_text()
+    assert runs.read_bytes(f"taken/{STATE_FILE}") == before  # no failure, no status written
+    assert LeaseDoc.model_validate_json(runs.read_bytes(f"taken/{LEASE_FILE}")).owner == "thief"

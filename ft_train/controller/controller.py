@@ -20,7 +20,14 @@ from distributed import KilledWorker
 from .. import failure_policy
 from ..checkpoint_manager import CheckpointManager
 from ..config import FailureConfig
-from ..errors import RankFailure, SessionError, TrainingFailedError, WorkerGroupError
+from ..errors import (
+    FtTrainError,
+    RankFailure,
+    RunLockedError,
+    SessionError,
+    TrainingFailedError,
+    WorkerGroupError,
+)
 from ..failure_policy import Decision
 from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
 from ..preemption import PreemptionWatcher
@@ -134,6 +141,10 @@ class Controller:
             if segment is not None:
                 return segment
 
+    def lease_lost(self, why: str) -> None:
+        """Another driver took the run over (from the lease's thread): stop training now."""
+        self.events.put(("lease_lost", None, why))
+
     def abort(self, error: BaseException) -> None:
         """The driver is going away (Ctrl+C, SIGTERM, an unexpected error): record why, so the
         next flow run with the same name resumes, then stop the ranks."""
@@ -152,7 +163,10 @@ class Controller:
                     )
                 )
             # Crash ordering: the record first, so a driver killed while stopping still leaves it.
-            self.store.save(self.state)
+            try:
+                self.store.save(self.state)
+            except RunLockedError:
+                pass  # the run is another driver's now: leave its state alone
         if isinstance(self.phase, Running):
             try:
                 self.phase.group.stop(grace_s=0.0)
@@ -167,6 +181,7 @@ class Controller:
         return len(self.state.attempts) - 1
 
     def _start_group(self) -> None:
+        self.store.fence()  # no ranks for a run that is another driver's now
         attempt = len(self.state.attempts)
         group = WorkerGroup(self.client, attempt, self.events)
         self.done = {}
@@ -196,6 +211,8 @@ class Controller:
 
     def _handle(self, event: tuple) -> Optional[Segment]:
         kind, attempt = event[0], event[1]
+        if kind == "lease_lost":
+            self._raise(RunLockedError(event[2]), record=False)
         if not isinstance(self.phase, Running) or attempt != self.phase.group.attempt:
             return None  # a late event from a group already stopped
         if kind == "report":
@@ -483,10 +500,14 @@ class Controller:
         self.store.save(self.state)
         self.phase = Idle(after_failure=failure)
 
-    def _raise(self, error: TrainingFailedError) -> None:
-        """The run has failed for good: record it and raise."""
-        self.state.status, self.state.error = "failed", str(error)
-        self.store.save(self.state)
+    def _raise(self, error: FtTrainError, record: bool = True) -> None:
+        """The run has failed for good: record it (unless the run is no longer this driver's:
+        then only stop the ranks) and raise."""
+        if record:
+            self.state.status, self.state.error = "failed", str(error)
+            self.store.save(self.state)
+        elif isinstance(self.phase, Running):
+            self.phase.group.stop(grace_s=0.0)
         self.phase = Errored(error)
         raise error
 
