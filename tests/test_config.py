@@ -223,6 +223,7 @@ PUBLIC_API = [
     "FtTrainError",
     "PreemptionInfo",
     "RunConfig",
+    "RunLockedError",
     "ScalingConfig",
     "SessionError",
     "StorageError",
@@ -274,6 +275,7 @@ EXAMPLES = {
     "SessionError": ("report() takes a dict",),
     "WorkerGroupError": ("rank 1 raised at step 7: boom", FAILURE),
     "WorkerStartupError": ("2 of 4 workers arrived in 120s",),
+    "RunLockedError": ("run 'x' is being trained by another driver (pid 7 on node-1)",),
     "TrainingFailedError": ("training failed: 4 failures exceed max_failures=3", [FAILURE]),
     "RankFailure": (1, 7, "ValueError: boom", "Traceback (most recent call last): ..."),
 }
