@@ -53,9 +53,10 @@ def prepare_run(
     run_config: RunConfig,
     log: Callable[[str], None] = logger.info,
     holder: str = "",
+    holder_id: str = "",
 ) -> RunPlan:
-    """Validate the input, take the run's lease (`holder` says who for: a flow run) and find
-    (or create) the run state. Fails before any worker starts; a run that another driver is
+    """Validate the input, take the run's lease (`holder` says who for, `holder_id` its id: a
+    flow run) and find (or create) the run state. Fails before any worker starts; a run that another driver is
     training raises RunLockedError. The caller calls `release()` on the plan when done."""
     load_train_loop(train_loop)
     config = dict(train_loop_config or {})
@@ -66,7 +67,7 @@ def prepare_run(
 
     storage = Storage(run_config.storage_path, run_config.storage_options)
     store = RunStore(storage, run_config.name)
-    lease = RunLease(storage, run_config.name, holder, log=log)
+    lease = RunLease(storage, run_config.name, holder, holder_id, log=log)
     try:
         lease.acquire()
         store.lease = lease

@@ -84,6 +84,7 @@ class LeaseDoc(BaseModel):
     pid: int
     pid_started: float
     holder: str = ""  # what holds it, for people: "flow run 'x' (id)"
+    holder_id: str = ""  # the same, for programs: the Prefect flow run's id
     ttl_s: float
     acquired_at: datetime
     renewed_at: datetime
@@ -104,6 +105,7 @@ class RunLease:
         storage: Storage,
         name: str,
         holder: str = "",
+        holder_id: str = "",
         ttl_s: float = TTL_S,
         log: Callable[[str], None] = logger.info,
     ):
@@ -118,6 +120,7 @@ class RunLease:
             pid=os.getpid(),
             pid_started=_started(os.getpid()) or 0.0,
             holder=holder,
+            holder_id=holder_id,
             ttl_s=ttl_s,
             acquired_at=now(),
             renewed_at=now(),

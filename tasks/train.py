@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Optional, Union
+from uuid import UUID
 
-from prefect import get_run_logger, task
-from prefect.runtime import flow_run
+from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from prefect.states import Crashed
 
 import ft_train
 from ft_train.cluster import dask_client
@@ -19,6 +21,7 @@ from ft_train.controller import Controller, Segment
 from ft_train.driver import RunPlan, make_controller
 from ft_train.driver import prepare_run as _prepare_run
 from ft_train.errors import WorkerGroupError
+from ft_train.lease import LeaseDoc
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
@@ -31,9 +34,31 @@ def prepare_run(
     """Validate the input, take the run's lease (one driver per run) and rehydrate the run
     state from storage (one read)."""
     holder = f"flow run {flow_run.name!r} ({flow_run.id})" if flow_run.id else ""
-    return _prepare_run(
-        train_loop, train_loop_config, scaling_config, run_config, get_run_logger().info, holder
+    plan = _prepare_run(
+        train_loop, train_loop_config, scaling_config, run_config, get_run_logger().info,
+        holder, flow_run.id or "",
     )
+    _crash_flow_run_of(plan.lease.previous)
+    return plan
+
+
+def _crash_flow_run_of(previous: Optional[LeaseDoc]) -> None:
+    """The run was taken over from a driver that was killed (its lease not released). Prefect
+    still shows that driver's flow run Running when nothing reported its end (a Python call has
+    no worker to): mark it Crashed, so the UI tells the truth."""
+    if previous is None or previous.released or previous.holder_id in ("", flow_run.id):
+        return
+    log = get_run_logger()
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(UUID(previous.holder_id))
+            if run.state is not None and run.state.is_running():
+                message = f"its driver (pid {previous.pid} on {previous.host}) was gone when "
+                message += f"flow run {flow_run.name!r} took the training run over"
+                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                log.info(f"marked the flow run {run.name!r} of the gone driver Crashed")
+    except Exception as e:  # another Prefect server's run, or none: only the UI loses
+        log.warning(f"could not mark the gone driver's flow run Crashed ({type(e).__name__}: {e})")
 
 
 @task(name="provision-workers", cache_policy=NO_CACHE)

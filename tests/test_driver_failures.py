@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
@@ -85,6 +86,8 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
         with pytest.raises(RunLockedError, match=f"pid {driver.pid} "):
             train_demo(storage, "victim", config)
         assert Storage(storage.path, storage.options).read_bytes(f"victim/{STATE_FILE}") == before
+        lease = Storage(storage.path, storage.options).read_bytes(f"victim/{LEASE_FILE}")
+        victim_run = LeaseDoc.model_validate_json(lease).holder_id  # its Prefect flow run
         os.killpg(driver.pid, sig)  # Ctrl+C in a terminal also signals the whole group
         assert wait_exit(driver, 120, tmp_path / "driver-victim.log") != 0
     finally:
@@ -107,7 +110,16 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
     assert resumed.metrics["resumed_from"] == 10
     kind = "driver_crash" if sig == signal.SIGKILL else "driver_interrupt"
     assert [(f.kind, f.charged) for f in resumed.failures] == [(kind, False)]
+    if sig == signal.SIGKILL:  # nothing told Prefect that the killed driver's flow run ended
+        assert flow_run_state(victim_run).is_crashed()
     assert_bit_identical(final_weights(resumed), reference_weights)
+
+
+def flow_run_state(flow_run_id: str):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(UUID(flow_run_id)).state
 
 
 def test_ctrl_c_ends_the_driver_while_a_worker_is_frozen(tmp_path, prefect_api):
