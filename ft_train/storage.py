@@ -145,9 +145,14 @@ class Storage:
     def read_bytes(self, path: str) -> bytes | None:
         """The object's bytes, or None when it does not exist."""
         try:
-            return self.fs.cat_file(self.full(path))
+            return self._cat(self.full(path))
         except FileNotFoundError:
             return None
+
+    def _cat(self, full: str) -> bytes:
+        if self._is_s3:  # one GET: s3fs would first ask the size (a HEAD), to split large reads
+            return self.fs.cat_file(full, max_concurrency=1)
+        return self.fs.cat_file(full)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Readers see the old content or the new, never a torn file."""
@@ -166,8 +171,8 @@ class Storage:
                 self.fs.invalidate_cache(full)
                 # the tag first: should the object change in between, a write_if fails
                 etag = self.fs.info(full)["ETag"].strip('"')
-                return self.fs.cat_file(full), etag
-            data = _read_local(full) if self.is_local else self.fs.cat_file(full)
+                return self._cat(full), etag
+            data = _read_local(full) if self.is_local else self._cat(full)
         except FileNotFoundError:
             return None
         return data, _content_tag(data)
