@@ -65,9 +65,11 @@ def _machine() -> str:
 
 
 def _started(pid: int) -> Optional[float]:
-    """When process `pid` started (epoch s), or None if there is none."""
+    """When process `pid` started (epoch s), or None if there is none (a zombie, killed and
+    not yet reaped by its parent, is none)."""
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except psutil.Error:
         return None
 

@@ -14,6 +14,7 @@ import sys
 import threading
 from datetime import timedelta
 
+import psutil
 import pytest
 
 import ft_train
@@ -110,11 +111,14 @@ def test_a_lease_left_by_a_killed_driver_on_this_machine_is_taken_at_once(storag
             prepare(storage, "run")
         assert re.search(rf"driver +pid {holder.pid} on .*: training it now", status(storage, "run"))
         holder.send_signal(signal.SIGKILL)  # no release, no end recorded
-        holder.wait(10)
+        # not reaped yet (its parent is busy elsewhere): a zombie is gone all the same
+        wait_for(lambda: psutil.Process(holder.pid).status() == psutil.STATUS_ZOMBIE, 10,
+                 "the killed driver to become a zombie")
+        assert re.search(r"driver +pid .*: gone without an end", status(storage, "run"))
+        plan = prepare(storage, "run")
     finally:
         holder.kill()
-    assert re.search(r"driver +pid .*: gone without an end", status(storage, "run"))
-    plan = prepare(storage, "run")
+        holder.wait(10)
     assert [f.kind for f in plan.state.failures] == ["driver_crash"]
     assert read_lease(storage, "run").pid == os.getpid()
     plan.release()
