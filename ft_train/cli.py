@@ -317,8 +317,17 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     run_config, scaling = _check_demo_args(args, parser)
     try:
         before = _load_state(run_config)
+        storage = Storage(run_config.storage_path, run_config.storage_options)
+        lease = read_lease(storage, run_config.name) if before is not None else None
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if lease is not None and holder_alive(lease):  # say so now, not after Prefect's start
+        print(
+            f"error: run {args.name!r} is being trained by another driver ({lease.describe()}); "
+            "wait for it to end or stop it, or use another --name",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     config, marker = _demo_config(args, run_config, before)
     _announce(args, before, crash=marker is not None)

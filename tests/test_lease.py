@@ -68,6 +68,16 @@ def status(target, name: str) -> str:
     return out.getvalue()
 
 
+def demo(target, name: str) -> subprocess.CompletedProcess:
+    """`ft-train demo` for run `name`, as a user starts it."""
+    options = [f"--storage-option={k}={v}" for k, v in target.options.items()]
+    return subprocess.run(
+        [sys.executable, "-m", "ft_train.cli", "demo", "--name", name,
+         "--storage-path", target.path, *options],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+
+
 def holds(lease: RunLease) -> bool:
     try:
         lease.check()
@@ -110,6 +120,9 @@ def test_a_lease_left_by_a_killed_driver_on_this_machine_is_taken_at_once(storag
         with pytest.raises(RunLockedError, match=f"pid {holder.pid} "):
             prepare(storage, "run")
         assert re.search(rf"driver +pid {holder.pid} on .*: training it now", status(storage, "run"))
+        refused = demo(storage, "run")  # at once: no Prefect server, no cluster started for it
+        assert refused.returncode == 1, refused.stderr
+        assert re.search(rf"another driver \(pid {holder.pid} on .*use another --name", refused.stderr)
         holder.send_signal(signal.SIGKILL)  # no release, no end recorded
         # not reaped yet (its parent is busy elsewhere): a zombie is gone all the same
         wait_for(lambda: psutil.Process(holder.pid).status() == psutil.STATUS_ZOMBIE, 10,
