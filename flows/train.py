@@ -2,8 +2,8 @@
 
 It only sequences the tasks: prepare (take the run's lease, rehydrate by name), provision
 workers, train one segment per checkpoint (a task run each; retries of it are the restarts,
-capped by what is left of max_failures), finalize. A rerun with the same (storage_path, name) resumes; a finished run is
-returned without training again.
+capped by what is left of max_failures), finalize. A rerun with the same (storage_path, name)
+resumes; a finished run is returned without training again.
 """
 
 from __future__ import annotations

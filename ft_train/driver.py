@@ -56,8 +56,9 @@ def prepare_run(
     holder_id: str = "",
 ) -> RunPlan:
     """Validate the input, take the run's lease (`holder` says who for, `holder_id` its id: a
-    flow run) and find (or create) the run state. Fails before any worker starts; a run that another driver is
-    training raises RunLockedError. The caller calls `release()` on the plan when done."""
+    flow run) and find (or create) the run state. Fails before any worker starts; a run that
+    another driver is training raises RunLockedError. The caller calls `release()` on the plan
+    when done."""
     load_train_loop(train_loop)
     config = dict(train_loop_config or {})
     try:

@@ -147,7 +147,8 @@ class RunLease:
                 alive = holder_alive(other)
                 if alive is None:  # on another machine: watch it for a renewal
                     if watched is None:
-                        watched, deadline = (other.owner, other.renewals), time.monotonic() + other.ttl_s
+                        watched = (other.owner, other.renewals)
+                        deadline = time.monotonic() + other.ttl_s
                         self.log(
                             f"run {self.name!r} is held by {other.describe()}; waiting up to "
                             f"{other.ttl_s:g}s for that driver to renew its lease or be gone"
@@ -169,7 +170,7 @@ class RunLease:
                          "that driver is gone")
             started = time.monotonic()
             self._doc.acquired_at = self._doc.renewed_at = now()
-            _held.add(self._doc.owner)  # first: from the write on, this process's threads see it held
+            _held.add(self._doc.owner)  # first: from the write on, our threads see it held
             new_tag = None
             try:
                 new_tag = self.storage.write_if(self.path, self._bytes(), tag)

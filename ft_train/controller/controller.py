@@ -167,11 +167,7 @@ class Controller:
                 self.store.save(self.state)
             except RunLockedError:
                 pass  # the run is another driver's now: leave its state alone
-        if isinstance(self.phase, Running):
-            try:
-                self.phase.group.stop(grace_s=0.0)
-            except Exception as e:  # the driver is leaving anyway; a local cluster dies with it
-                self.log(f"could not stop every rank ({type(e).__name__}: {e})")
+        self._stop_now()
         if not self.phase.is_terminal:
             self.phase = Errored(TrainingFailedError(self.state.error or "interrupted"))
 
@@ -506,10 +502,18 @@ class Controller:
         if record:
             self.state.status, self.state.error = "failed", str(error)
             self.store.save(self.state)
-        elif isinstance(self.phase, Running):
-            self.phase.group.stop(grace_s=0.0)
+        else:
+            self._stop_now()
         self.phase = Errored(error)
         raise error
+
+    def _stop_now(self) -> None:
+        """Stop the running group's ranks at once, if any; the driver is leaving the run."""
+        if isinstance(self.phase, Running):
+            try:
+                self.phase.group.stop(grace_s=0.0)
+            except Exception as e:  # leaving anyway; a local cluster dies with the driver
+                self.log(f"could not stop every rank ({type(e).__name__}: {e})")
 
     def _resized(self) -> None:
         """The ranks left their training function at the driver's request: start a larger group
