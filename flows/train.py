@@ -18,6 +18,7 @@ import ft_train
 from flows import ephemeral
 from ft_train.cluster import Ahead, start_forkserver
 from ft_train.driver import interrupt_or, make_controller
+from ft_train.lease import holder_alive, read_lease
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tasks import finalize, prepare_run, provision_workers, train_segment
@@ -63,24 +64,28 @@ def train_fn(
     return finalize(plan)
 
 
-def _finished(run: ft_train.RunConfig) -> bool:
-    """Has the run finished already? Its rerun trains nothing: a cluster started for it would
-    only take CPU from Prefect's start, then take seconds to close. Asked of local storage only,
-    which answers at once: remote storage that cannot be reached (S3: 10 s of retries) would
-    delay the call, then the flow's own read would fail after as long again."""
+def _nothing_to_train(run: ft_train.RunConfig) -> bool:
+    """Will the call train nothing: has the run finished, or is another driver training it? A
+    cluster started for it would only take CPU from Prefect's start (and from that driver's
+    ranks), then take seconds to close. Asked of local storage only, which answers at once:
+    remote storage that cannot be reached (S3: 10 s of retries) would delay the call, then the
+    flow's own read would fail after as long again."""
     storage = Storage(run.storage_path, run.storage_options)
     if not storage.is_local:
         return False
     state = RunStore(storage, run.name).load()
-    return state is not None and state.status == "finished"
+    if state is not None and state.status == "finished":
+        return True
+    lease = read_lease(storage, run.name)
+    return lease is not None and holder_alive(lease) is True
 
 
 class _TrainFlow(Flow):
     """The flow, and two things more for a Python call. Prefect's temporary API server, where
     Prefect would start one, starts at once (`flows.ephemeral`). On a local CPU cluster, that
     cluster starts on a thread at once too (its workers fork from a server that imports torch);
-    the flow's run takes it over. Not for a run on local storage that has finished. Deployment
-    runs start the cluster in the flow."""
+    the flow's run takes it over. Not for a run on local storage that has finished, or that
+    another driver is training. Deployment runs start the cluster in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         server = ephemeral.start()  # first: it is the longest to start
@@ -91,7 +96,7 @@ class _TrainFlow(Flow):
             cluster = ft_train.ClusterConfig.model_validate(call.arguments["cluster"])
             scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
             run = ft_train.RunConfig.model_validate(call.arguments["run_config"])
-            if cluster.address is None and not scaling.use_gpu and not _finished(run):
+            if cluster.address is None and not scaling.use_gpu and not _nothing_to_train(run):
                 start_forkserver()
                 ahead = Ahead(cluster, scaling)
         try:

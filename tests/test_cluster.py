@@ -122,14 +122,20 @@ taken.clear()
 out["trains"] = call("trains", "tests.loops:report_many")
 started.clear(); taken.clear()
 out["rerun"] = call("trains", "tests.loops:report_many") + [len(started)]  # it had finished
+from ft_train import driver
+held = driver.prepare_run("tests.loops:report_many", {{}}, ft_train.ScalingConfig(num_workers=2),
+                          ft_train.RunConfig(name="held", storage_path={storage!r}),
+                          log=lambda m: None)  # another driver (in this process) trains "held"
+started.clear(); taken.clear()
+out["locked"] = call("held", "tests.loops:report_many") + [len(started)]
 print(json.dumps(out))
 """
 
 
 def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(prefect_api, tmp_path):
     """The cluster (forking from a server that imports torch) starts while Prefect starts; a run
-    on an existing cluster, or a rerun of a finished run, starts nothing, and a call that fails
-    early leaves nothing running."""
+    on an existing cluster, a rerun of a finished run, or a call for a run that another driver
+    trains starts nothing, and a call that fails early leaves nothing running."""
     script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
@@ -140,6 +146,7 @@ def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_ta
     assert out["bad_loop"] == ["TrainLoopImportError", True, [], 0], out  # started, then closed
     assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
     assert out["rerun"] == [None, True, [], 0, 0], out  # a finished run's: none started
+    assert out["locked"] == ["RunLockedError", True, [], 0, 0], out  # nor a refused one's
 
 
 def pid_of(_batch) -> int:
