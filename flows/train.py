@@ -18,7 +18,7 @@ import ft_train
 from flows import ephemeral
 from ft_train.cluster import Ahead, start_forkserver
 from ft_train.driver import interrupt_or, make_controller
-from ft_train.lease import holder_alive, read_lease
+from ft_train.lease import live_holder
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tasks import finalize, prepare_run, provision_workers, train_segment
@@ -76,8 +76,7 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     state = RunStore(storage, run.name).load()
     if state is not None and state.status == "finished":
         return True
-    lease = read_lease(storage, run.name)
-    return lease is not None and holder_alive(lease) is True
+    return live_holder(storage, run.name) is not None
 
 
 class _TrainFlow(Flow):

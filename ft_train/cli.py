@@ -33,7 +33,7 @@ from .config import (
     ScalingConfig,
 )
 from .errors import FtTrainError, StorageError
-from .lease import holder_alive, read_lease
+from .lease import holder_alive, live_holder, read_lease
 from .result import TrainResult
 from .run_state import RunState, RunStore, now
 from .storage import Storage
@@ -318,11 +318,11 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         before = _load_state(run_config)
         storage = Storage(run_config.storage_path, run_config.storage_options)
-        lease = read_lease(storage, run_config.name) if before is not None else None
+        lease = live_holder(storage, run_config.name) if before is not None else None
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    if lease is not None and holder_alive(lease):  # say so now, not after Prefect's start
+    if lease is not None:  # say so now, not after Prefect's start
         print(
             f"error: run {args.name!r} is being trained by another driver ({lease.describe()}); "
             "wait for it to end or stop it, or use another --name",

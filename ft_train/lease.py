@@ -49,8 +49,8 @@ LEASE_FILE = "driver_lease.json"
 TTL_S = 30.0
 RENEWALS_PER_TTL = 6  # a renewal every 5 s: a holder survives five failed renewals in a row
 
-# Leases held by this process, by owner id: a lease naming this process but none of these was
-# left by an earlier driver in this process that did not release it (a test, a benchmark loop).
+# Leases this process holds (taken, not yet released), by owner id. A lease that names this pid
+# but none of these is dead: its release failed, or an earlier process had the same pid.
 _held: set[str] = set()
 
 
@@ -143,6 +143,8 @@ class RunLease:
         while True:
             found = self.storage.read_versioned(self.path)
             other, tag = (None, None) if found is None else (_parse(found[0]), found[1])
+            if found is not None and other is None:
+                logger.warning(f"ft-train: {self.path} is not a lease; replacing it")
             if other is not None and not other.released:
                 alive = holder_alive(other)
                 if alive is None:  # on another machine: watch it for a renewal
@@ -265,10 +267,16 @@ def read_lease(storage: Storage, name: str) -> Optional[LeaseDoc]:
     return None if found is None else _parse(found[0])
 
 
+def live_holder(storage: Storage, name: str) -> Optional[LeaseDoc]:
+    """The lease of the driver that is training run `name` now, where this machine can tell at
+    once (not one on another machine, whose renewals alone can tell); else None."""
+    doc = read_lease(storage, name)
+    return doc if doc is not None and holder_alive(doc) is True else None
+
+
 def _parse(raw: bytes) -> Optional[LeaseDoc]:
     """The lease in `raw`, or None for one that is not (taken as free, and overwritten)."""
     try:
         return LeaseDoc.model_validate_json(raw)
     except ValidationError:
-        logger.warning("ft-train: a lease file that is not one was found; replacing it")
         return None
