@@ -46,8 +46,13 @@ def train_demo(
     )
 
 
+def fresh(target) -> Storage:
+    """A new Storage on a test's storage target (no state shared with the code under test)."""
+    return Storage(target.path, target.options)
+
+
 def load_state(storage, name) -> RunState | None:
-    return RunStore(Storage(storage.path, storage.options), name).load()
+    return RunStore(fresh(storage), name).load()
 
 
 def wait_for(predicate, timeout_s: float, what: str):

@@ -16,12 +16,12 @@ import pytest
 from ft_train.errors import RunLockedError
 from ft_train.lease import LEASE_FILE, LeaseDoc
 from ft_train.run_state import STATE_FILE, now
-from ft_train.storage import Storage
 from tests.conftest import StorageTarget, on_storage
 from tests.helpers import (
     assert_bit_identical,
     demo_config,
     final_weights,
+    fresh,
     load_state,
     train_demo,
     wait_for,
@@ -82,11 +82,11 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
         wait_for(lambda: os.path.exists(hold["marker"]), 60, "rank 0 to hold at step 10")
         # A second driver for the run (an overlapping scheduled run) is refused while this one
         # lives, and leaves the run state as it was.
-        before = Storage(storage.path, storage.options).read_bytes(f"victim/{STATE_FILE}")
+        before = fresh(storage).read_bytes(f"victim/{STATE_FILE}")
         with pytest.raises(RunLockedError, match=f"pid {driver.pid} "):
             train_demo(storage, "victim", config)
-        assert Storage(storage.path, storage.options).read_bytes(f"victim/{STATE_FILE}") == before
-        lease = Storage(storage.path, storage.options).read_bytes(f"victim/{LEASE_FILE}")
+        assert fresh(storage).read_bytes(f"victim/{STATE_FILE}") == before
+        lease = fresh(storage).read_bytes(f"victim/{LEASE_FILE}")
         victim_run = LeaseDoc.model_validate_json(lease).holder_id  # its Prefect flow run
         os.killpg(driver.pid, sig)  # Ctrl+C in a terminal also signals the whole group
         assert wait_exit(driver, 120, tmp_path / "driver-victim.log") != 0
@@ -177,7 +177,7 @@ def test_a_driver_whose_run_another_driver_took_over_stops_without_writing(stora
     hold = {"rank": 1, "step": 3, "kind": "wait", "marker": str(tmp_path / "hold")}
     driver = start_driver(storage, "taken", demo_config([hold]), prefect_api, tmp_path)
     log = tmp_path / "driver-taken.log"
-    runs = Storage(storage.path, storage.options)
+    runs = fresh(storage)
     try:
         wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 1 to hold at step 3")
         thief = LeaseDoc(owner="thief", machine="another-machine", host="node-7", pid=4242,

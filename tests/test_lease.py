@@ -22,19 +22,14 @@ from ft_train import cli, driver
 from ft_train.errors import RunLockedError
 from ft_train.lease import LEASE_FILE, LeaseDoc, RunLease
 from ft_train.run_state import STATE_FILE, RunState, RunStore, now
-from ft_train.storage import Storage
 from tests.conftest import on_storage
-from tests.helpers import wait_for
+from tests.helpers import fresh, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def noop_train_loop(config):
     """An importable train_loop for `prepare_run`; never called."""
-
-
-def fresh(target) -> Storage:
-    return Storage(target.path, target.options)
 
 
 def prepare(target, name: str, holder: str = "") -> driver.RunPlan:

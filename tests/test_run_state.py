@@ -26,12 +26,9 @@ from ft_train.run_state import (
     RunStore,
 )
 from ft_train.storage import Storage, local_files
+from tests.helpers import fresh
 
 ATTEMPT_ID = "5e" * 16
-
-
-def fresh(target) -> Storage:
-    return Storage(target.path, target.options)
 
 
 def read_tree(root: str) -> dict[str, bytes]:

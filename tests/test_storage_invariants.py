@@ -39,6 +39,7 @@ from ft_train.run_state import (
 )
 from ft_train.session import RankSpec, Session
 from ft_train.storage import Storage, local_files
+from tests.helpers import fresh
 
 ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings
 ATTEMPT_1 = "1b" * 16
@@ -171,10 +172,6 @@ def merged(files_by_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
 
 
 # -- what a rerun sees -----------------------------------------------------------------------------
-
-
-def fresh(target) -> Storage:
-    return Storage(target.path, target.options)
 
 
 def load(target, name: str) -> Optional[RunState]:
