@@ -65,7 +65,8 @@ def train_fn(
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:
-    """Will the call train nothing: has the run finished, or is another driver training it? A
+    """Will the call train nothing: has the run finished, does `run.resume` refuse it (by the
+    run's existence; a changed config is found later), or is another driver training it? A
     cluster started for it would only take CPU from Prefect's start (and from that driver's
     ranks), then take seconds to close. Asked of local storage only, which answers at once:
     remote storage that cannot be reached (S3: 10 s of retries) would delay the call, then the
@@ -74,7 +75,9 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     if not storage.is_local:
         return False
     state = RunStore(storage, run.name).load()
-    if state is not None and state.status == "finished":
+    if state is None:
+        return run.resume == "must"  # refused
+    if run.resume == "never" or state.status == "finished":
         return True
     return live_holder(storage, run.name) is not None
 

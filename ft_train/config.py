@@ -143,6 +143,13 @@ class RunConfig(_Config):
     )
     failure_config: FailureConfig = Field(default_factory=FailureConfig)
     checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: Literal["auto", "never", "must"] = Field(
+        "auto",
+        description="What to do with a run of this name that exists: 'auto' resumes it, or "
+        "starts the run if there is none; 'never' refuses to start if it exists; 'must' refuses "
+        "unless it exists and is resumed with the train_loop and train_loop_config it last "
+        "trained with.",
+    )
 
     @field_validator("name")
     @classmethod

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from . import resume
 from .checkpoint_manager import CheckpointManager
 from .config import RunConfig, ScalingConfig
 from .controller import Controller
@@ -16,7 +17,7 @@ from .errors import ConfigError, RunLockedError, StorageError
 from .lease import RunLease
 from .rank import load_train_loop
 from .result import TrainResult
-from .run_state import FailureRecord, RunState, RunStore, fingerprint
+from .run_state import FailureRecord, RunState, RunStore
 from .storage import Storage
 from .worker_group import GroupPlan
 
@@ -68,22 +69,35 @@ def prepare_run(
 
     storage = Storage(run_config.storage_path, run_config.storage_options)
     store = RunStore(storage, run_config.name)
+    new = resume.wanted(train_loop, config, scaling, run_config.checkpoint_config)
+    if run_config.resume != "auto":  # asked again under the lease; here, a refusal writes nothing
+        try:
+            state = store.load()
+        except StorageError:
+            raise
+        except Exception as e:
+            raise _unreadable(run_config, e) from None
+        resume.check(run_config, state, new, storage.uri(run_config.name), lambda msg: None)
     lease = RunLease(storage, run_config.name, holder, holder_id, log=log)
     try:
         lease.acquire()
         store.lease = lease
-        plan = _rehydrate(train_loop, config, scaling, run_config, storage, store, lease, log)
+        plan = _rehydrate(train_loop, config, scaling, run_config, new, storage, store, lease, log)
     except BaseException as e:
         lease.release()
-        if isinstance(e, (StorageError, RunLockedError)) or not isinstance(e, Exception):
+        if isinstance(e, (StorageError, RunLockedError, ConfigError)) or not isinstance(e, Exception):
             raise
-        raise StorageError(
-            f"cannot read run state under {run_config.storage_path} ({type(e).__name__}: {e}); "
-            "check run_config.storage_path and run_config.storage_options"
-        ) from None
+        raise _unreadable(run_config, e) from None
     if plan.finished:
         plan.release()  # nothing to write
     return plan
+
+
+def _unreadable(run_config: RunConfig, e: Exception) -> StorageError:
+    return StorageError(
+        f"cannot read run state under {run_config.storage_path} ({type(e).__name__}: {e}); "
+        "check run_config.storage_path and run_config.storage_options"
+    )
 
 
 def _rehydrate(
@@ -91,6 +105,7 @@ def _rehydrate(
     config: dict[str, Any],
     scaling: ScalingConfig,
     run_config: RunConfig,
+    new: resume.Wanted,
     storage: Storage,
     store: RunStore,
     lease: RunLease,
@@ -98,15 +113,10 @@ def _rehydrate(
 ) -> RunPlan:
     """Load the run state (or create it), under the lease, and record this driver's start."""
     state = store.load()
-    fp = fingerprint(
-        train_loop=train_loop if isinstance(train_loop, str) else getattr(train_loop, "__qualname__", ""),
-        config=config,
-        scaling=scaling.model_dump(),
-        checkpoints=run_config.checkpoint_config.model_dump(),
-    )
     where = storage.uri(run_config.name)
+    resume.check(run_config, state, new, where, log)
     if state is None:
-        state = RunState(name=run_config.name, config_fingerprint=fp)
+        state = RunState(name=run_config.name)
         log(f"new run {run_config.name!r} at {where}")
     elif state.status == "finished":
         log(f"run {run_config.name!r} at {where} already finished; nothing to train")
@@ -114,7 +124,8 @@ def _rehydrate(
     else:
         # A driver that ended released the lease; one that was killed could not.
         crashed = lease.previous is None or not lease.previous.released
-        _resume(state, fp, where, log, crashed)
+        _resume(state, where, log, crashed)
+    state.config, state.config_fingerprint = new  # what the run trains with from now on
     state.driver_runs += 1
     try:
         store.save(state)
@@ -128,9 +139,7 @@ def _rehydrate(
     return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
 
 
-def _resume(
-    state: RunState, fp: str, where: str, log: Callable[[str], None], crashed: bool
-) -> None:
+def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bool) -> None:
     if state.status == "running" and crashed:
         # The previous driver never recorded an end: it was killed. Not charged to max_failures.
         state.failures.append(
@@ -144,8 +153,6 @@ def _resume(
         )
     elif state.status == "failed":
         state.budget_start = len(state.failures)  # a new flow run gets a fresh failure budget
-    if state.config_fingerprint and state.config_fingerprint != fp:
-        log(f"warning: the configuration differs from the one {where} was started with")
     state.status, state.error = "running", None
     frm = f"checkpoint {state.latest} (step {state.report_index})" if state.latest else "scratch"
     log(f"resuming run {state.name!r} at {where} from {frm}")

@@ -2,7 +2,8 @@
 `{storage_path}/{name}/run_state.json` (the head), plus the sealed checkpoint index.
 
 The head holds the newest committed checkpoints with their metrics, the report index, the failure
-history, the attempts, a config fingerprint and the status. No pickles, no user code: a run stays
+history, the attempts, the config the run last trained with (and its fingerprint: all that runs
+stored before the config itself record; `ft_train.resume`) and the status. No pickles, no user code: a run stays
 readable by any later ft-train (unknown fields are ignored, missing ones take defaults; a document
 from a newer schema is refused with a clear error). A rerun reads the head and nothing else
 (storage invariant 5), so its cost does not grow with the run's history.
@@ -91,6 +92,8 @@ class RunState(_Doc):
     name: str
     status: RunStatus = "running"
     config_fingerprint: str = ""
+    # The config the run last trained with (`ft_train.resume.config_doc`); None if stored before.
+    config: Optional[dict[str, Any]] = None
     report_index: int = 0  # report rounds covered by the latest committed checkpoint
     # The newest retained checkpoints, commit order. Older ones are in the sealed chunks.
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)

@@ -102,11 +102,11 @@ import flows.train
 started, ahead = [], flows.train.Ahead
 flows.train.Ahead = lambda *a: started.append(a) or ahead(*a)  # likewise
 
-def call(name, train_loop, **cluster_kw):
+def call(name, train_loop, resume="auto", **cluster_kw):
     try:
         train(train_loop=train_loop, train_loop_config={{"n": 3}},
               scaling_config=ft_train.ScalingConfig(num_workers=2),
-              run_config=ft_train.RunConfig(name=name, storage_path={storage!r}),
+              run_config=ft_train.RunConfig(name=name, storage_path={storage!r}, resume=resume),
               cluster=ft_train.ClusterConfig(**cluster_kw))
         error = None
     except Exception as e:
@@ -122,6 +122,10 @@ taken.clear()
 out["trains"] = call("trains", "tests.loops:report_many")
 started.clear(); taken.clear()
 out["rerun"] = call("trains", "tests.loops:report_many") + [len(started)]  # it had finished
+started.clear(); taken.clear()
+out["never"] = call("trains", "tests.loops:report_many", resume="never") + [len(started)]
+started.clear(); taken.clear()
+out["must"] = call("no-such-run", "tests.loops:report_many", resume="must") + [len(started)]
 from ft_train import driver
 held = driver.prepare_run("tests.loops:report_many", {{}}, ft_train.ScalingConfig(num_workers=2),
                           ft_train.RunConfig(name="held", storage_path={storage!r}),
@@ -134,8 +138,9 @@ print(json.dumps(out))
 
 def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(prefect_api, tmp_path):
     """The cluster (forking from a server that imports torch) starts while Prefect starts; a run
-    on an existing cluster, a rerun of a finished run, or a call for a run that another driver
-    trains starts nothing, and a call that fails early leaves nothing running."""
+    on an existing cluster, a rerun of a finished run, a call for a run that another driver
+    trains or that `resume` refuses starts nothing, and a call that fails early leaves nothing
+    running."""
     script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
@@ -147,6 +152,8 @@ def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_ta
     assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
     assert out["rerun"] == [None, True, [], 0, 0], out  # a finished run's: none started
     assert out["locked"] == ["RunLockedError", True, [], 0, 0], out  # nor a refused one's
+    assert out["never"] == ["ConfigError", True, [], 0, 0], out  # refused by resume="never"
+    assert out["must"] == ["ConfigError", True, [], 0, 0], out  # and by resume="must"
 
 
 def pid_of(_batch) -> int:
