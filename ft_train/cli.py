@@ -3,8 +3,9 @@
     ft-train demo     train the digits example as the Prefect flow, on a local Dask cluster,
                       in Prefect's ephemeral mode (no server to start); optionally crash a rank
                       once to show a restart from the latest checkpoint
-    ft-train status   print a stored run (status, checkpoints, failures, metrics, the driver
-                      that holds it); reads storage only, no Prefect
+    ft-train status   print a stored run (status, checkpoints, failures, metrics, the config
+                      it last trained with, the driver that holds it); reads storage only
+    ft-train list     one line per run under a storage path; reads storage only
 
 The library never imports Prefect: `flows.train` is imported inside the demo command only, after
 the environment defaults below are in place. Exit codes: 0 success, 1 a failed or missing run,
@@ -33,9 +34,9 @@ from .config import (
     ScalingConfig,
 )
 from .errors import FtTrainError, StorageError
-from .lease import holder_alive, live_holder, read_lease
+from .lease import LEASE_FILE, LeaseDoc, holder_alive, live_holder, parse_lease, read_lease
 from .result import TrainResult
-from .run_state import RunState, RunStore, now
+from .run_state import INDEX_CHUNK, STATE_FILE, RunState, RunStore, now
 from .storage import Storage
 
 DEMO_TRAIN_LOOP = "ft_train.examples.digits:train_loop"
@@ -128,9 +129,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("name", help="the run's name")
     _add_storage_args(status)
+    runs = commands.add_parser(
+        "list",
+        help="list the runs under a storage path (reads storage only; no Prefect)",
+        description="One line per run: its status, reports and checkpoints so far, failures, "
+        "last update, and the driver training it, if any.",
+    )
+    _add_storage_args(runs)
     # Each command reports its usage errors with its own usage line.
     demo.set_defaults(command_fn=run_demo, command_parser=demo)
     status.set_defaults(command_fn=show_status, command_parser=status)
+    runs.set_defaults(command_fn=list_runs, command_parser=runs)
     return parser
 
 
@@ -404,14 +413,59 @@ def show_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return EXIT_FAILED
     print(f"Run {args.name!r}")
     print_summary(result)
+    if state.config is not None:  # runs stored before it was recorded have none
+        print(f"  {'train_loop':<12} {state.config['train_loop']}")
+        print(f"  {'config':<12} {json.dumps(state.config['train_loop_config'], sort_keys=True)}")
     if lease is not None and not lease.released:
-        alive = holder_alive(lease)
-        verdict = {
-            True: "training it now",
-            False: "gone without an end (killed); the next flow run resumes",
-            None: f"on another machine; renewed {(now() - lease.renewed_at).total_seconds():.0f}s ago",
-        }[alive]
-        print(f"  {'driver':<12} {lease.describe()}: {verdict}")
+        print(f"  {'driver':<12} {lease.describe()}: {_driver_verdict(lease)}")
+    return EXIT_OK
+
+
+def _driver_verdict(lease: LeaseDoc) -> str:
+    return {
+        True: "training it now",
+        False: "gone without an end (killed); the next flow run resumes",
+        None: f"on another machine; renewed {(now() - lease.renewed_at).total_seconds():.0f}s ago",
+    }[holder_alive(lease)]
+
+
+def list_runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """One line per run under --storage-path: two reads a run (its state's head, its lease),
+    all at once (fsspec fetches many files concurrently from object stores)."""
+    try:
+        storage = Storage(args.storage_path, dict(args.storage_options))
+        names = storage.list_dir("")
+        found = storage.read_many([f"{n}/{f}" for n in names for f in (STATE_FILE, LEASE_FILE)])
+    except Exception as e:  # fsspec backends raise their own types; say which setting to check
+        print(f"error: cannot list runs under {args.storage_path} ({type(e).__name__}: {e}); "
+              "check --storage-path and --storage-option", file=sys.stderr)
+        return EXIT_FAILED
+    rows = []
+    for name in names:
+        head = found.get(f"{name}/{STATE_FILE}")
+        if head is None:
+            continue  # not a run (or one whose first driver wrote nothing yet)
+        try:
+            state = RunState.model_validate_json(head)
+        except ValueError:
+            rows.append((name, "unreadable", "", "", "", "", "run state does not parse"))
+            continue
+        raw_lease = found.get(f"{name}/{LEASE_FILE}")
+        lease = None if raw_lease is None else parse_lease(raw_lease)
+        kept = state.sealed_chunks * INDEX_CHUNK + len(state.checkpoints)
+        rows.append((
+            name, state.status, str(state.report_index), str(kept), str(len(state.failures)),
+            f"{state.updated_at:%Y-%m-%d %H:%M:%S}",
+            "" if lease is None or lease.released else f"pid {lease.pid} on {lease.host}: "
+            + _driver_verdict(lease),
+        ))
+    if not rows:
+        print(f"no runs under {storage.url}")
+        return EXIT_OK
+    header = ("NAME", "STATUS", "REPORTS", "CHECKPOINTS", "FAILURES", "UPDATED (UTC)", "DRIVER")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        print(("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]).rstrip())
     return EXIT_OK
 
 

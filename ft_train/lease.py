@@ -142,7 +142,7 @@ class RunLease:
         deadline = 0.0
         while True:
             found = self.storage.read_versioned(self.path)
-            other, tag = (None, None) if found is None else (_parse(found[0]), found[1])
+            other, tag = (None, None) if found is None else (parse_lease(found[0]), found[1])
             if found is not None and other is None:
                 logger.warning(f"ft-train: {self.path} is not a lease; replacing it")
             if other is not None and not other.released:
@@ -225,7 +225,7 @@ class RunLease:
                 tag = self.storage.write_if(self.path, self._bytes(), self._tag)
                 if tag is None:  # changed under us; our own renewal whose reply was lost?
                     found = self.storage.read_versioned(self.path)
-                    mine = found is not None and _parse(found[0])
+                    mine = found is not None and parse_lease(found[0])
                     if mine and mine.owner == self._doc.owner:
                         tag = found[1]
             except Exception as e:
@@ -264,7 +264,7 @@ def holder_alive(doc: LeaseDoc) -> Optional[bool]:
 def read_lease(storage: Storage, name: str) -> Optional[LeaseDoc]:
     """Run `name`'s lease as last written, or None if it has none (or not one that parses)."""
     found = storage.read_versioned(f"{name}/{LEASE_FILE}")
-    return None if found is None else _parse(found[0])
+    return None if found is None else parse_lease(found[0])
 
 
 def live_holder(storage: Storage, name: str) -> Optional[LeaseDoc]:
@@ -274,7 +274,7 @@ def live_holder(storage: Storage, name: str) -> Optional[LeaseDoc]:
     return doc if doc is not None and holder_alive(doc) is True else None
 
 
-def _parse(raw: bytes) -> Optional[LeaseDoc]:
+def parse_lease(raw: bytes) -> Optional[LeaseDoc]:
     """The lease in `raw`, or None for one that is not (taken as free, and overwritten)."""
     try:
         return LeaseDoc.model_validate_json(raw)

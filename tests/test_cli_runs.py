@@ -1,0 +1,78 @@
+"""`ft-train list` and `ft-train status`: what they read from storage, on a local path and on S3,
+with no Prefect."""
+
+import contextlib
+import io
+import os
+import re
+
+import ft_train
+from ft_train import cli, driver
+from ft_train.run_state import STATE_FILE
+from tests.conftest import on_storage
+from tests.helpers import fresh
+
+
+def noop_train_loop(config):
+    """An importable train_loop for `prepare_run`; never called."""
+
+
+def prepare(target, name: str, config=None) -> driver.RunPlan:
+    return driver.prepare_run(
+        f"{__name__}:noop_train_loop", config or {}, ft_train.ScalingConfig(),
+        ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options),
+        log=lambda msg: None,
+    )
+
+
+def cli_out(target, *args: str) -> tuple[int, str]:
+    options = [f"--storage-option={k}={v}" for k, v in target.options.items()]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main([*args, "--storage-path", target.path, *options])
+    return code, out.getvalue()
+
+
+def table(text: str) -> dict[str, dict[str, str]]:
+    """`ft-train list`'s lines, by run name and column."""
+    header, *rows = text.splitlines()
+    columns = re.split(r"  +", header)
+    return {cells[0]: dict(zip(columns, cells)) for cells in (re.split(r"  +", r) for r in rows)}
+
+
+def test_list_shows_each_run_with_its_progress_and_the_driver_training_it(storage):
+    done = prepare(storage, "alpha")
+    done.state.status, done.state.report_index = "finished", 12
+    done.store.save(done.state)
+    done.release()
+    held = prepare(storage, "beta")  # a driver (this process) trains it now
+    fresh(storage).write_atomic("stray/notes.txt", b"not a run")
+    fresh(storage).write_atomic(f"broken/{STATE_FILE}", b"{not json")
+    try:
+        code, out = cli_out(storage, "list")
+    finally:
+        held.release()
+    assert code == 0, out
+    runs = table(out)
+    assert sorted(runs) == ["alpha", "beta", "broken"], out  # "stray" is no run
+    assert runs["alpha"]["STATUS"] == "finished" and runs["alpha"]["REPORTS"] == "12", out
+    assert "DRIVER" not in runs["alpha"], out  # released: no driver
+    assert runs["beta"]["STATUS"] == "running", out
+    assert runs["beta"]["DRIVER"].startswith(f"pid {os.getpid()} on "), out
+    assert runs["beta"]["DRIVER"].endswith("training it now"), out
+    assert runs["broken"]["STATUS"] == "unreadable", out
+
+
+@on_storage("local")
+def test_list_of_a_path_without_runs_says_so(storage):
+    code, out = cli_out(storage, "list")
+    assert (code, out) == (0, f"no runs under {storage.path}\n")
+
+
+@on_storage("s3")
+def test_status_shows_the_config_the_run_last_trained_with(storage):
+    prepare(storage, "run", {"lr": 0.1, "epochs": 3}).release()
+    code, out = cli_out(storage, "status", "run")
+    assert code == 0, out
+    assert re.search(r"train_loop +tests.test_cli_runs:noop_train_loop\n", out), out
+    assert re.search(r'config +\{"epochs": 3, "lr": 0.1\}\n', out), out
