@@ -22,6 +22,7 @@ from ft_train.lease import live_holder
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tasks import finalize, prepare_run, provision_workers, train_segment
+from tasks.publish import RunEvents
 
 
 def train_fn(
@@ -44,6 +45,7 @@ def train_fn(
     plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
     if plan.finished:
         return finalize(plan)
+    events = RunEvents(plan)
     with contextlib.ExitStack() as stack:
         stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
@@ -54,14 +56,16 @@ def train_fn(
                 segment += 1
                 retries = controller.retries_left()
                 step = train_segment.with_options(retries=retries, retry_delay_seconds=0)
-                kind = step(controller, segment).kind
+                kind = step(controller, segment, events).kind
         except BaseException as e:
             why = interrupt_or(e)
             controller.abort(why)  # stop the ranks; record why (Ctrl+C is not charged)
+            if plan.state.status == "failed":
+                finalize(plan, events)
             if why is e:
                 raise
             raise why from None  # the Ctrl+C itself, not the error Prefect raised in its place
-    return finalize(plan)
+    return finalize(plan, events)
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:

@@ -1,0 +1,141 @@
+"""What a training run shows in Prefect beyond its logs: events as it goes, artifacts at its end.
+
+Events, on the resource `ft-train.run.{name}` (related to the flow run that emits them), each as
+soon as the driver has recorded what it tells of. An automation can act on them: a notification
+on a failure, a run that starts when another finishes.
+
+    ft-train.checkpoint.committed   a checkpoint is committed: step, metrics, path
+    ft-train.failure                a failure is recorded: kind, rank, step, error, charged
+    ft-train.run.finished           the run ended: status, step, metrics, path
+    ft-train.run.failed             (and error, for a failed one)
+
+Artifacts, at the end of a flow run that finished or failed (not one interrupted): a table of
+the run's checkpoints with their metrics (the newest `MAX_ROWS`), a table of its failures, and a
+summary. Their keys name the run, so the Artifacts page keeps each run's history across the flow
+runs that trained it (a rerun after a driver crash adds a version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Optional
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.events import emit_event
+
+from ft_train.driver import RunPlan
+from ft_train.run_state import RunState, RunStore
+
+MAX_ROWS = 200  # checkpoints in the table; all of them are in `ft-train status` and the result
+
+
+def artifact_key(name: str, what: str) -> str:
+    """A key Prefect accepts (lowercase letters, digits, dashes) that names run `name`: its
+    name made to fit, and a hash of it, so that runs whose names differ in case or punctuation
+    keep apart."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60] or "run"
+    return f"ft-train-{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}-{what}"
+
+
+class RunEvents:
+    """Emits an event for each checkpoint and failure the run state gains after this driver
+    started; `update()` after each attempt at a segment, `end()` once the run ended."""
+
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
+        self.failures = len(plan.state.failures)
+        self.latest = plan.state.latest
+
+    def _emit(self, event: str, payload: dict[str, Any]) -> None:
+        name = self.plan.run_config.name
+        resource = {"prefect.resource.id": f"ft-train.run.{name}", "prefect.resource.name": name}
+        emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
+
+    def _path(self, dir_name: Optional[str]) -> Optional[str]:
+        return None if dir_name is None else self.plan.storage.uri(f"{self.plan.state.name}/{dir_name}")
+
+    def update(self) -> None:
+        state = self.plan.state
+        for failure in state.failures[self.failures :]:
+            self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
+        self.failures = len(state.failures)
+        if state.latest is not None and state.latest != self.latest:
+            latest = state.latest_entry()
+            self._emit("checkpoint.committed", {
+                "step": state.report_index,
+                "metrics": latest.metrics if latest else {},
+                "path": self._path(state.latest),
+            })
+            self.latest = state.latest
+
+    def end(self) -> None:
+        self.update()
+        state = self.plan.state
+        if state.status not in ("finished", "failed"):
+            return
+        latest = state.latest_entry()
+        payload = {
+            "status": state.status,
+            "step": state.report_index,
+            "metrics": state.final_metrics or (latest.metrics if latest else {}),
+            "path": self.plan.storage.uri(state.name),
+        }
+        if state.status == "failed":
+            payload["error"] = state.error
+        self._emit(f"run.{state.status}", payload)
+
+
+def publish_artifacts(plan: RunPlan) -> None:
+    """The run's checkpoint and failure tables, and its summary, as artifacts of this flow run."""
+    state = plan.state
+    name = state.name
+    entries = RunStore(plan.storage, name).all_checkpoints(state)
+    rows = [
+        {"step": e.report_index, "checkpoint": plan.storage.uri(f"{name}/{e.dir_name}"),
+         "attempt": e.attempt, "committed_at": f"{e.committed_at:%Y-%m-%d %H:%M:%S} UTC",
+         **{k: _cell(v) for k, v in e.metrics.items()}}
+        for e in entries[-MAX_ROWS:]
+    ]
+    shown = "" if len(entries) <= MAX_ROWS else f" (the newest {MAX_ROWS} of {len(entries)})"
+    create_table_artifact(rows, key=artifact_key(name, "checkpoints"),
+                          description=f"Checkpoints of run {name!r}{shown}")
+    failures = [
+        {"kind": f.kind, "rank": f.rank, "step": f.step, "attempt": f.attempt,
+         "charged": f.charged, "time": f"{f.time:%Y-%m-%d %H:%M:%S} UTC", "error": f.error}
+        for f in state.failures
+    ]
+    create_table_artifact(failures, key=artifact_key(name, "failures"),
+                          description=f"Failures of run {name!r}")
+    create_markdown_artifact(_summary(plan, state, len(entries)), key=artifact_key(name, "summary"),
+                             description=f"Run {name!r}")
+
+
+def _summary(plan: RunPlan, state: RunState, kept: int) -> str:
+    latest = state.latest_entry()
+    metrics = state.final_metrics or (latest.metrics if latest else {})
+    charged = sum(f.charged for f in state.failures)
+    lines = [
+        f"# Run `{state.name}`: {state.status}",
+        "",
+        f"- **path**: `{plan.storage.uri(state.name)}`",
+        f"- **step**: {state.report_index}",
+        f"- **checkpoints kept**: {kept}" + (f", latest `{state.latest}`" if state.latest else ""),
+        f"- **failures**: {len(state.failures)} ({charged} charged to max_failures="
+        f"{plan.run_config.failure_config.max_failures})",
+        f"- **driver runs**: {state.driver_runs}",
+        f"- **metrics**: `{json.dumps(_json(metrics), sort_keys=True)}`",
+    ]
+    if state.error:
+        lines.append(f"- **error**: {state.error.splitlines()[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)
+
+
+def _json(value: Any) -> Any:
+    """`value` as JSON would carry it (metrics may hold anything a rank reported)."""
+    return json.loads(json.dumps(value, default=str))
