@@ -18,7 +18,7 @@ import tempfile
 import uuid
 from typing import Any, Iterator, Optional
 
-from .errors import StorageError
+from .errors import CheckpointDamagedError, StorageError
 from .storage import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
@@ -107,9 +107,9 @@ class Checkpoint:
             storage.download_files("", sorted(files), local_dir)
         except FileNotFoundError:
             missing = [r for r in sorted(files) if not storage.fs.exists(storage.full(r))]
-            raise StorageError(
+            raise CheckpointDamagedError(
                 f"{self.path}: {', '.join(missing) or 'a file'} listed in its manifest is missing: "
-                "the stored checkpoint is damaged"
+                "the stored checkpoint is damaged", self.path
             ) from None
         self._verify(local_dir, files)
         with open(os.path.join(local_dir, MANIFEST), "w") as f:
@@ -119,10 +119,12 @@ class Checkpoint:
         for rel, want in files.items():
             full = os.path.join(local_dir, rel)
             if not os.path.isfile(full):
-                raise StorageError(f"{self.path}/{rel} is missing: the stored checkpoint is damaged")
+                raise CheckpointDamagedError(
+                    f"{self.path}/{rel} is missing: the stored checkpoint is damaged", self.path
+                )
             got = file_digest(full)
             if got != {"size": want["size"], "sha256": want["sha256"]}:
-                raise StorageError(
+                raise CheckpointDamagedError(
                     f"{self.path}/{rel} does not match its manifest (size {got['size']} vs "
-                    f"{want['size']}): the stored checkpoint is damaged"
+                    f"{want['size']}): the stored checkpoint is damaged", self.path
                 )

@@ -4,7 +4,8 @@
     ├── ConfigError                  bad input; fails before any worker starts, never retried
     │   └── TrainLoopImportError     `train_loop` cannot be imported or called
     ├── StorageError                 the run directory is unusable (corrupt state, unreadable),
-    │                                or a rank's asynchronous checkpoint upload failed
+    │   │                            or a rank's asynchronous checkpoint upload failed
+    │   └── CheckpointDamagedError   a committed checkpoint's files do not match its manifest
     ├── SessionError                 worker-side API used outside a training function, or misused
     ├── WorkerGroupError             a rank raised, died, or its worker was lost: retryable
     │   └── (carries `failure`, a FailureRecord)
@@ -33,6 +34,18 @@ class TrainLoopImportError(ConfigError):
 
 class StorageError(FtTrainError):
     """The run directory cannot be read or is inconsistent."""
+
+
+class CheckpointDamagedError(StorageError):
+    """A committed checkpoint's stored files do not match its manifest (a file is missing, or its
+    size or checksum differs). `path` is the checkpoint's."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message, path)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class SessionError(FtTrainError, RuntimeError):
@@ -75,10 +88,14 @@ class RankFailure(Exception):
     """Raised by a rank's Dask task: the user function raised. Plain data, so it pickles
     whatever the user's exception was."""
 
-    def __init__(self, rank: int, step: int, error: str, traceback: str, fatal: bool = False):
-        super().__init__(rank, step, error, traceback, fatal)
+    def __init__(
+        self, rank: int, step: int, error: str, traceback: str, fatal: bool = False,
+        damaged: str | None = None,
+    ):
+        super().__init__(rank, step, error, traceback, fatal, damaged)
         self.rank, self.step, self.error, self.traceback = rank, step, error, traceback
         self.fatal = fatal  # a broken contract (ConfigError, SessionError): never retried
+        self.damaged = damaged  # the path of a checkpoint found damaged (CheckpointDamagedError)
 
     def __str__(self) -> str:
         return f"rank {self.rank} raised at step {self.step}: {self.error}"

@@ -18,7 +18,13 @@ from datetime import timedelta
 from typing import Any, Callable, Union
 
 from . import session as _session
-from .errors import ConfigError, RankFailure, SessionError, TrainLoopImportError
+from .errors import (
+    CheckpointDamagedError,
+    ConfigError,
+    RankFailure,
+    SessionError,
+    TrainLoopImportError,
+)
 from .preemption import GroupStop
 from .session import RankSpec, Session
 
@@ -155,6 +161,18 @@ def _control_group():
     return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), options)
 
 
+def _damaged(error: BaseException) -> str | None:
+    """The path of the damaged checkpoint behind `error`, if a CheckpointDamagedError is in its
+    chain (a training function may wrap it)."""
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, CheckpointDamagedError):
+            return link.path
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
 def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """The Dask task of one rank. Returns a summary; raises RankFailure if the function raised."""
     import torch.distributed as dist
@@ -178,7 +196,7 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         error = f"{type(e).__name__}: {e}"
         # a broken contract (ConfigError, SessionError): no retry can fix it
         fatal = isinstance(e, (ConfigError, SessionError))
-        raise RankFailure(spec.rank, session.report_index, error, tb, fatal) from None
+        raise RankFailure(spec.rank, session.report_index, error, tb, fatal, _damaged(e)) from None
     finally:
         session.close()  # drops uploads still pending (none after a clean finish)
         session.control = None  # released before the default group, whose device it shares

@@ -272,6 +272,7 @@ EXAMPLES = {
     "ConfigError": ("train_loop_config must be JSON-serialisable",),
     "TrainLoopImportError": ("train_loop 'x:y': cannot import 'x'",),
     "StorageError": ("s3://b/r/run_state.json is not valid JSON",),
+    "CheckpointDamagedError": ("s3://b/r/c/model.pt does not match its manifest", "s3://b/r/c"),
     "SessionError": ("report() takes a dict",),
     "WorkerGroupError": ("rank 1 raised at step 7: boom", FAILURE),
     "WorkerStartupError": ("2 of 4 workers arrived in 120s",),

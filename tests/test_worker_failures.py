@@ -6,10 +6,11 @@ import os
 import pytest
 
 import ft_train
+from ft_train.checkpoint import Checkpoint
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tests.conftest import StorageTarget, on_storage
-from tests.helpers import demo_config, fault, load_state, train_demo
+from tests.helpers import demo_config, fault, fresh, load_state, train_demo
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -217,3 +218,29 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
     # rank 1 sleeps forever inside its loop, once
     recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="wait"), 10.0)
+
+
+@on_storage("s3")
+def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_one_before(storage, tmp_path):
+    """A file of the latest checkpoint is overwritten on storage after its commit: a restart
+    from it fails its checksum. The run drops it, restores from the checkpoint before, and does
+    not charge max_failures (0 here) for it."""
+    config = demo_config([fault(tmp_path, 1, 8)], checkpoint_every=3)
+    with pytest.raises(ft_train.TrainingFailedError):
+        train_demo(storage, "damaged", config, max_failures=0)
+    state = load_state(storage, "damaged")
+    damaged = state.latest
+    assert [c.report_index for c in state.checkpoints] == [3, 6], state.checkpoints
+    files = Checkpoint(fresh(storage).uri(f"damaged/{damaged}"), storage.options).manifest()["files"]
+    fresh(storage).write_atomic(f"damaged/{damaged}/{sorted(files)[0]}", b"not what was saved")
+
+    result = train_demo(storage, "damaged", config, max_failures=0)
+    assert result.status == "finished"
+    assert result.metrics["resumed_from"] == 3  # not 6, whose files do not match its manifest
+    state = load_state(storage, "damaged")
+    dropped = state.failures[-1]
+    assert not dropped.charged and f"checkpoint {damaged} dropped" in dropped.error, dropped
+    assert "does not match its manifest" in dropped.error
+    assert state.attempts[-1].restored_from != damaged
+    kept = [c.dir_name for c in RunStore(fresh(storage), "damaged").all_checkpoints(state)]
+    assert damaged not in kept and damaged not in fresh(storage).list_dir("damaged")  # swept

@@ -267,8 +267,41 @@ class Controller:
         thread.join(wait_s)
 
     def _rank_raised(self, rank: int, exc: RankFailure) -> None:
+        """Fail the group (raises), unless the rank found the checkpoint it restores from damaged
+        and an earlier one is kept: then go Idle, to restore from that one."""
         self.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
-        self._fail(rank, "exception", exc.error, step=exc.step)
+        if exc.damaged is None or exc.damaged != self.manager.latest_uri(self.state):
+            self._fail(rank, "exception", exc.error, step=exc.step)
+        earlier = [c for c in self.state.checkpoints if c.dir_name != self.state.latest]
+        if not earlier:  # nothing to fall back to: a failure like any other
+            self._fail(rank, "exception", f"{exc.error}; no earlier checkpoint is kept (raise "
+                       "run_config.checkpoint_config.num_to_keep to keep one)", step=exc.step)
+        self._fall_back(rank, exc, earlier)
+
+    def _fall_back(self, rank: int, exc: RankFailure, earlier: list) -> None:
+        """The latest checkpoint is damaged (its files do not match its manifest): no restart
+        from it can succeed. Drop it from the run, so that the next group restores from the
+        checkpoint before it, and record a failure not charged to max_failures (each damaged
+        checkpoint is dropped once, so this cannot loop). Its directory, no longer referenced, is
+        left to the orphan sweep."""
+        group, damaged = self.phase.group, self.state.latest
+        previous = max(earlier, key=lambda c: c.report_index)
+        self.dead_workers |= group.stop(grace_s=0.0 if self.plan.use_gpu else STOP_GRACE_S)
+        self.state.checkpoints = earlier
+        self.state.latest, self.state.report_index = previous.dir_name, previous.report_index
+        self.log(f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
+                 f"{previous.dir_name} (step {previous.report_index})")
+        self._judge(
+            FailureRecord(
+                kind="exception",
+                rank=rank,
+                step=exc.step,
+                error=f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
+                f"{previous.dir_name} (step {previous.report_index})",
+                attempt=group.attempt,
+                charged=False,
+            )
+        )
 
     def _next_deadline(self) -> Optional[float]:
         """Seconds until the controller must act without an event: a watchdog or a judgement."""
@@ -294,6 +327,7 @@ class Controller:
                 # A collective timed out waiting for a rank that stopped making progress.
                 self._fail(laggard, "hang", f"no progress; rank {rank} timed out waiting for it")
             self._rank_raised(rank, exc)
+            return  # fell back to an earlier checkpoint
         if (remaining := self._watchdog_remaining()) is not None and remaining <= 0:
             self._hung()
 
@@ -360,6 +394,7 @@ class Controller:
                 self.collateral = (rank, exc, time.monotonic() + COLLATERAL_WAIT_S)
                 return None
             self._rank_raised(rank, exc)
+            return None  # fell back to an earlier checkpoint
         if isinstance(exc, KilledWorker):
             self._fail(rank, "process_death", "the rank's worker process died")
         self._fail(rank, "process_death", f"{type(exc).__name__}: {exc}")
