@@ -1,6 +1,6 @@
 """`RunConfig.resume` ("auto", "never", "must") and the config a run is resumed with
 (`ft_train.resume`): on a local path and on S3, through `prepare_run` (what a flow run does
-first), and once through the flow itself, with its ranks."""
+first). Through the flow, with its ranks: `test_worker_failures`' rerun of a failed run."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from ft_train import driver
 from ft_train.errors import ConfigError
 from ft_train.run_state import STATE_FILE, RunStore
 from tests.conftest import on_storage
-from tests.helpers import demo_config, fault, fresh, load_state, train_demo
+from tests.helpers import fresh, load_state
 
 
 def noop_train_loop(config):
@@ -140,29 +140,3 @@ def test_resume_is_a_flow_parameter_with_its_choices():
     assert schema["enum"] == ["auto", "never", "must"] and schema["default"] == "auto"
     with pytest.raises(ValueError, match="resume"):
         ft_train.RunConfig(name="x", resume="always")
-
-
-@pytest.mark.usefixtures("prefect_api")
-@on_storage("local")
-def test_a_flow_run_resumes_under_must_only_with_the_config_the_run_trained_with(storage, tmp_path):
-    """A run fails (a rank raises, no retries left); a rerun under `must` with another config is
-    refused before any worker starts, and one with the same config resumes and finishes."""
-    config = demo_config([fault(tmp_path, 1, 7)])
-    with pytest.raises(ft_train.TrainingFailedError):
-        train_demo(storage, "strict", config)
-    before = files(storage, "strict")
-    must = {"run_config": ft_train.RunConfig(name="strict", storage_path=storage.path, resume="must")}
-
-    from flows.train import train
-
-    with pytest.raises(ConfigError, match="train_loop_config.epochs: 1 -> 2"):
-        train(train_loop="ft_train.examples.digits:train_loop",
-              train_loop_config={**config, "epochs": 2}, **must)
-    assert files(storage, "strict") == before
-
-    result = train(train_loop="ft_train.examples.digits:train_loop", train_loop_config=config,
-                   scaling_config=ft_train.ScalingConfig(num_workers=2), **must)
-    assert result.status == "finished"
-    state = load_state(storage, "strict")
-    assert state.attempts[-1].restored_from is not None  # resumed, not started over
-    assert state.driver_runs == 2  # the refused call was never a driver of the run

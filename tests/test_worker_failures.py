@@ -10,7 +10,7 @@ from ft_train.checkpoint import Checkpoint
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tests.conftest import StorageTarget, on_storage
-from tests.helpers import demo_config, fault, fresh, load_state, train_demo
+from tests.helpers import DEMO, demo_config, fault, fresh, load_state, train_demo
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -73,10 +73,23 @@ def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, 
     assert state.status == "failed" and len(state.attempts) == 1
     assert ft_train.TrainResult.from_path(storage.path, "budget-0", storage.options).error
 
-    # The same name again: the run resumes from its latest checkpoint with a fresh budget.
-    result = train_demo(storage, "budget-0", config, max_failures=0)
+    # The same name again with resume="must" (RunConfig.resume) and a changed training config:
+    # refused before any worker starts, the run left as it was.
+    from flows.train import train
+
+    must = ft_train.RunConfig(name="budget-0", storage_path=storage.path,
+                              storage_options=storage.options, resume="must")
+    with pytest.raises(ft_train.ConfigError, match="train_loop_config.epochs: 1 -> 2"):
+        train(train_loop=DEMO, train_loop_config={**config, "epochs": 2}, run_config=must)
+    assert load_state(storage, "budget-0") == state
+
+    # With the config it trained with: the run resumes from its latest checkpoint with a fresh
+    # budget.
+    result = train(train_loop=DEMO, train_loop_config=config, run_config=must,
+                   scaling_config=ft_train.ScalingConfig(num_workers=2))
     assert result.status == "finished"
     assert result.metrics["resumed_from"] == 5
+    assert load_state(storage, "budget-0").driver_runs == 2  # the refused call was no driver
 
 
 @on_storage("local")
