@@ -46,7 +46,9 @@ class RunEvents:
     def __init__(self, plan: RunPlan):
         self.plan = plan
         self.failures = len(plan.state.failures)
-        self.latest = plan.state.latest
+        # Checkpoints told of: those this driver found, and each it commits. A damaged latest one
+        # dropped (the run restores from the one before) makes an older one latest again: no event.
+        self.told = {c.dir_name for c in plan.state.checkpoints}
 
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
         name = self.plan.run_config.name
@@ -61,14 +63,14 @@ class RunEvents:
         for failure in state.failures[self.failures :]:
             self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
         self.failures = len(state.failures)
-        if state.latest is not None and state.latest != self.latest:
+        if state.latest is not None and state.latest not in self.told:
             latest = state.latest_entry()
             self._emit("checkpoint.committed", {
                 "step": state.report_index,
                 "metrics": latest.metrics if latest else {},
                 "path": self._path(state.latest),
             })
-            self.latest = state.latest
+            self.told.add(state.latest)
 
     def end(self) -> None:
         self.update()

@@ -75,3 +75,16 @@ def assert_bit_identical(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def events_of(name: str) -> list:
+    """Run `name`'s ft-train events (`tasks/publish.py`) on the Prefect API, oldest first."""
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    with get_client(sync_client=True) as client:
+        page = client.read_events(EventFilter(
+            event=EventNameFilter(prefix=["ft-train."]),
+            resource=EventResourceFilter(id=[f"ft-train.run.{name}"]),
+        ), limit=50)
+    return sorted(page.events, key=lambda e: e.occurred)

@@ -9,25 +9,14 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
-from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
 import ft_train
 from ft_train.run_state import RunStore
 from tasks.publish import artifact_key
 from tests.conftest import on_storage
-from tests.helpers import demo_config, fault, fresh, load_state, train_demo, wait_for
+from tests.helpers import demo_config, events_of, fault, fresh, load_state, train_demo, wait_for
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-
-
-def events_of(name: str) -> list:
-    """The run's ft-train events, oldest first."""
-    with get_client(sync_client=True) as client:
-        page = client.read_events(EventFilter(
-            event=EventNameFilter(prefix=["ft-train."]),
-            resource=EventResourceFilter(id=[f"ft-train.run.{name}"]),
-        ), limit=50)
-    return sorted(page.events, key=lambda e: e.occurred)
 
 
 def artifacts_of(name: str, what: str) -> list:

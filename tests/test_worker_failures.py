@@ -10,7 +10,7 @@ from ft_train.checkpoint import Checkpoint
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tests.conftest import StorageTarget, on_storage
-from tests.helpers import DEMO, demo_config, fault, fresh, load_state, train_demo
+from tests.helpers import DEMO, demo_config, events_of, fault, fresh, load_state, train_demo, wait_for
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -257,3 +257,7 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_on
     assert state.attempts[-1].restored_from != damaged
     kept = [c.dir_name for c in RunStore(fresh(storage), "damaged").all_checkpoints(state)]
     assert damaged not in kept and damaged not in fresh(storage).list_dir("damaged")  # swept
+    wait_for(lambda: any(e.event == "ft-train.run.finished" for e in events_of("damaged")), 30,
+             "the run's events to be stored")
+    committed = [e.payload["step"] for e in events_of("damaged") if e.event.endswith("committed")]
+    assert committed == [3, 6, 6, 9, 12], committed  # step 3 again, as latest, is no news
