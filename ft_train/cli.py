@@ -446,9 +446,9 @@ def list_runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if head is None:
             continue  # not a run (or one whose first driver wrote nothing yet)
         try:
-            state = RunState.model_validate_json(head)
-        except ValueError:
-            rows.append((name, "unreadable", "", "", "", "", "run state does not parse"))
+            state = RunStore(storage, name).parse(head)  # as a rerun would read it
+        except StorageError:
+            rows.append((name, "unreadable", "", "", "", "", f"`ft-train status {name}` says why"))
             continue
         raw_lease = found.get(f"{name}/{LEASE_FILE}")
         lease = None if raw_lease is None else parse_lease(raw_lease)

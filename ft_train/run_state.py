@@ -143,9 +143,12 @@ class RunStore:
 
     def load(self) -> Optional[RunState]:
         """The head, or None for a new run: one read, whatever the run's history."""
-        doc = self._read_json(self.path, "run state")
-        if doc is None:
-            return None
+        raw = self.storage.read_bytes(self.path)
+        return None if raw is None else self.parse(raw)
+
+    def parse(self, raw: bytes) -> RunState:
+        """The head from its stored bytes, checked as `load` checks it (StorageError if not)."""
+        doc = self._json(raw, self.path, "run state")
         version = doc.get("schema_version", 0)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
             raise StorageError(
@@ -198,8 +201,9 @@ class RunStore:
     def _read_json(self, path: str, what: str) -> Optional[dict[str, Any]]:
         """The JSON object at `path`, or None when it does not exist."""
         raw = self.storage.read_bytes(path)
-        if raw is None:
-            return None
+        return None if raw is None else self._json(raw, path, what)
+
+    def _json(self, raw: bytes, path: str, what: str) -> dict[str, Any]:
         try:
             doc = json.loads(raw)
         except ValueError as e:

@@ -48,19 +48,22 @@ def test_list_shows_each_run_with_its_progress_and_the_driver_training_it(storag
     held = prepare(storage, "beta")  # a driver (this process) trains it now
     fresh(storage).write_atomic("stray/notes.txt", b"not a run")
     fresh(storage).write_atomic(f"broken/{STATE_FILE}", b"{not json")
+    newer = done.state.model_copy(update={"name": "newer", "schema_version": 99})
+    fresh(storage).write_atomic(f"newer/{STATE_FILE}", newer.model_dump_json().encode())
     try:
         code, out = cli_out(storage, "list")
     finally:
         held.release()
     assert code == 0, out
     runs = table(out)
-    assert sorted(runs) == ["alpha", "beta", "broken"], out  # "stray" is no run
+    assert sorted(runs) == ["alpha", "beta", "broken", "newer"], out  # "stray" is no run
     assert runs["alpha"]["STATUS"] == "finished" and runs["alpha"]["REPORTS"] == "12", out
     assert "DRIVER" not in runs["alpha"], out  # released: no driver
     assert runs["beta"]["STATUS"] == "running", out
     assert runs["beta"]["DRIVER"].startswith(f"pid {os.getpid()} on "), out
     assert runs["beta"]["DRIVER"].endswith("training it now"), out
     assert runs["broken"]["STATUS"] == "unreadable", out
+    assert runs["newer"]["STATUS"] == "unreadable", out  # a newer ft-train's: read as a rerun would
 
 
 @on_storage("local")
