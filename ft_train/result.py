@@ -41,7 +41,7 @@ class TrainResult:
                 state.error or "failed", [f.model_dump(mode="json") for f in state.failures]
             )
         return cls(
-            metrics=state.final_metrics or (latest.metrics if latest else None),
+            metrics=state.metrics,
             checkpoint=ckpt(latest.dir_name) if latest else None,
             best_checkpoints=[(ckpt(e.dir_name), e.metrics) for e in entries],
             path=storage.uri(state.name),

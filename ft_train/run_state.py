@@ -116,6 +116,12 @@ class RunState(_Doc):
         """The latest checkpoint's entry: always in the head (the last one committed)."""
         return next((c for c in self.checkpoints if c.dir_name == self.latest), None)
 
+    @property
+    def metrics(self) -> Optional[dict[str, Any]]:
+        """The run's metrics: the last report of a finished run, else its latest checkpoint's."""
+        latest = self.latest_entry()
+        return self.final_metrics or (latest.metrics if latest else None)
+
 
 class IndexChunk(_Doc):
     """One sealed chunk of the checkpoint index: written once, never changed."""

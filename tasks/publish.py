@@ -77,11 +77,10 @@ class RunEvents:
         state = self.plan.state
         if state.status not in ("finished", "failed"):
             return
-        latest = state.latest_entry()
         payload = {
             "status": state.status,
             "step": state.report_index,
-            "metrics": state.final_metrics or (latest.metrics if latest else {}),
+            "metrics": state.metrics or {},
             "path": self.plan.storage.uri(state.name),
         }
         if state.status == "failed":
@@ -115,8 +114,7 @@ def publish_artifacts(plan: RunPlan) -> None:
 
 
 def _summary(plan: RunPlan, state: RunState, kept: int) -> str:
-    latest = state.latest_entry()
-    metrics = state.final_metrics or (latest.metrics if latest else {})
+    metrics = state.metrics or {}
     charged = sum(f.charged for f in state.failures)
     lines = [
         f"# Run `{state.name}`: {state.status}",
