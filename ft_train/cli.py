@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -40,6 +41,10 @@ from .run_state import INDEX_CHUNK, STATE_FILE, RunState, RunStore, now
 from .storage import Storage
 
 DEMO_TRAIN_LOOP = "ft_train.examples.digits:train_loop"
+# What the demo's ranks import beyond torch (scikit-learn, for its data: 1.7 s on this machine's
+# cores). The workers' fork server imports it once, so that the fresh worker processes that
+# replace a failed group's have it at once (`ft_train.cluster`).
+DEMO_PRELOAD = ["ft_train.examples.digits", "sklearn.datasets"]
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -344,6 +349,8 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Before Prefect is imported: an offline machine must not print telemetry errors.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.train import train  # imports Prefect and sets up its logging
+
+    multiprocessing.set_forkserver_preload(DEMO_PRELOAD)
 
     _quiet_console()
     try:

@@ -5,7 +5,10 @@ restarts it if it dies, plus one warm spare on CPU: a failed rank's place is tak
 process that has torch imported already, while the nanny restarts the lost one in the background.
 On CPU, worker processes fork from one fork server per driver process that imported torch once
 (`start_forkserver`), instead of each importing it: seconds of CPU a worker, which a cold start,
-a nanny's restart and the ranks' own cores (the spare's import) paid.
+a nanny's restart and the ranks' own cores (the spare's import) paid. A training function's own
+heavy imports are added the same way, with Python's `multiprocessing.set_forkserver_preload`
+before the first run: the group's processes are replaced after every failure, and each new one
+would import them again while the other ranks wait.
 Settings that fault tolerance depends on stay in force for the cluster's
 whole life (nannies read them again each time they restart a worker):
 - `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
@@ -91,7 +94,7 @@ def _spawn_environ() -> dict[str, str]:
 
 def start_forkserver() -> bool:
     """Start the fork server that local CPU workers fork from, once per driver process; it
-    imports FORKSERVER_PRELOAD in the background. Its environment is the one a spawned worker
+    imports its modules (`_preload`) in the background. Its environment is the one a spawned worker
     would get. Called when a local cluster starts, and earlier by a Python call of the flow, so
     that the imports overlap Prefect's start. False if a fork server that this module did not
     start runs already (its imports and environment are unknown: workers are spawned then)."""
@@ -104,10 +107,17 @@ def start_forkserver() -> bool:
             return False
         env = _spawn_environ()
         os.environ.update(env)  # the server inherits it (a nanny does the same before a spawn)
-        server.set_forkserver_preload(FORKSERVER_PRELOAD)
+        server.set_forkserver_preload(_preload(server._preload_modules))
         server.ensure_running()
         _forkserver_env = env
         return True
+
+
+def _preload(wanted: list[str]) -> list[str]:
+    """FORKSERVER_PRELOAD, then the modules the user asked the fork server for
+    (`multiprocessing.set_forkserver_preload`). Python's default, `__main__`, is left out: the
+    server would run a script's top level again, and a worker needs none of it."""
+    return FORKSERVER_PRELOAD + [m for m in wanted if m not in FORKSERVER_PRELOAD and m != "__main__"]
 
 
 def _worker_start() -> tuple[str, dict[str, str]]:

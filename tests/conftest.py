@@ -19,7 +19,15 @@ for k, v in {
     os.environ[k] = v
 os.environ.pop("AWS_PROFILE", None)
 
+import multiprocessing  # noqa: E402
+
 import pytest  # noqa: E402
+
+from ft_train.cli import DEMO_PRELOAD  # noqa: E402
+
+# Most tests train the demo on a local cluster: its workers' fork server imports what the demo
+# imports, as `ft-train demo` has it do (each failure replaces the group's processes).
+multiprocessing.set_forkserver_preload(DEMO_PRELOAD)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ def probe() -> dict:
     return {
         "ppid": os.getppid(),
         "torch_loaded": "torch._dynamo" in sys.modules,
+        "demo_loaded": "sklearn.datasets" in sys.modules,  # conftest's set_forkserver_preload
         "var": os.environ.get("FT_TEST_VAR"),
         "region": os.environ.get("AWS_DEFAULT_REGION"),
         "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -65,6 +66,7 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
     for w in seen:
         assert w["ppid"] == server_pid, w  # forked, not spawned by the driver
         assert w["torch_loaded"], w
+        assert w["demo_loaded"], w  # and what the user added to the fork server's preload
         assert w["var"] == value, w
         assert w["omp"] == "1", w  # Dask's pre-spawn variables, as with spawned workers
         assert w["malloc_trim"] is None, w  # but not the one ft-train unsets (throughput)
