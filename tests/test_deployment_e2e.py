@@ -1,8 +1,8 @@
-"""End to end through a deployment, the way a user runs it: `prefect server start`, a process
+"""End to end through a deployment, the way a user runs it: a running Prefect server, a process
 work pool, `prefect deploy -n demo` from prefect.yaml, `prefect worker start`, and
 `prefect deployment run 'ft-train/demo'`; then the run's stored result is read back without Prefect.
 
-One server, pool, deployment and worker serve the whole module (starting them takes ~15 s). The
+The session's server, and one pool, deployment and worker for the whole module. The
 run stores on the loopback S3, its storage options passed as a deployment parameter (local storage
 is the CLI demo's). The worker runs in an empty directory with no project path added:
 the flow-run process finds the code only through the deployment's pull step.
@@ -15,10 +15,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -33,12 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
 POOL = "ft-train-process"
 DEPLOYMENT = "ft-train/demo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -86,37 +78,16 @@ def _cli(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedPr
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the
-    environment that points Prefect clients at it."""
-    root = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {
+def prefect_server(prefect_api):
+    """The environment that points Prefect clients at a running server: the session's (the
+    same server `prefect server start` runs; a second one here would cost ~15 s)."""
+    return {
         **os.environ,
-        "PREFECT_HOME": str(root / "home"),
-        "PREFECT_API_URL": url,
+        "PREFECT_API_URL": prefect_api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "COLUMNS": "200",  # keep the CLI's rich output on one line per item
     }
-    log = root / "server.log"
-    server = _start(
-        PREFECT + ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-        env, root, log,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"prefect server exited:\n{_tail(log)}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"prefect server not healthy in 120 s:\n{_tail(log)}"
-            time.sleep(0.2)
-        yield env
-    finally:
-        _stop(server)
 
 
 @pytest.fixture(scope="module")
