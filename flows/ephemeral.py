@@ -38,13 +38,8 @@ from prefect.settings import (
     temporary_settings,
 )
 
-from ft_train.rank import free_port
 
 logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
-
-# uvicorn's exit status when its app failed to start (a database it cannot open, say) or its port
-# was taken between our check and its bind; only the second is worth another try, on a new port.
-STARTUP_FAILURE = 3
 
 # How long to wait for the server where PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is not
 # set. Prefect's default, 20 s, is too short for a first start on 2 cores: the server imports its
@@ -56,46 +51,46 @@ STILL_STARTING_S = 15.0  # a wait this long says why it takes so long, once
 
 
 class TemporaryServer:
-    """One `create_app` server process on a free loopback port; `wait()` until it is healthy."""
+    """One `create_app` server process on a loopback port of its own; `wait()` until it is
+    healthy."""
 
     def __init__(self) -> None:
-        self.process: Optional[subprocess.Popen] = None
-        self.port = 0
-        self.healthy = False
         self.stopping = False
-        self._launch()
+        self.healthy = False
+        # Bound here and handed over listening: no other process can take the port before the
+        # server serves, and requests sent meanwhile wait in its backlog.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+            self.port = sock.getsockname()[1]
+            logger.info(
+                f"Starting temporary server on http://127.0.0.1:{self.port}\nSee "
+                "https://www.prefect.io/docs/v3/concepts/server#how-to-guides "
+                "for more information on running a dedicated Prefect server."
+            )
+            env = {
+                **os.environ,
+                "PREFECT_UI_ENABLED": "0",
+                "PREFECT__SERVER_EPHEMERAL": "1",
+                "PREFECT__SERVER_FINAL": "1",
+                **get_current_settings().to_environment_variables(exclude_unset=True),
+            }
+            self.process: Optional[subprocess.Popen] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("ephemeral_server.py")),
+                 str(sock.fileno()), str(Path(prefect.__file__).parents[1])],
+                env=env,
+                pass_fds=[sock.fileno()],
+                stdin=subprocess.PIPE,  # closed when this process ends: the server then stops too
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        threading.Thread(target=self._relay, args=(self.process,), name="ft-train-prefect-server-output",
+                         daemon=True).start()
         atexit.register(self.stop)
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
-
-    def _launch(self) -> None:
-        self.port = free_port()
-        logger.info(
-            f"Starting temporary server on http://127.0.0.1:{self.port}\nSee "
-            "https://www.prefect.io/docs/v3/concepts/server#how-to-guides "
-            "for more information on running a dedicated Prefect server."
-        )
-        env = {
-            **os.environ,
-            "PREFECT_UI_ENABLED": "0",
-            "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1",
-            **get_current_settings().to_environment_variables(exclude_unset=True),
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("ephemeral_server.py")),
-             "--app-dir", str(Path(prefect.__file__).parents[1]),
-             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env=env,
-            stdin=subprocess.PIPE,  # closed when this process ends: the server then stops too
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        threading.Thread(target=self._relay, args=(self.process,), name="ft-train-prefect-server-output",
-                         daemon=True).start()
 
     def _relay(self, process: subprocess.Popen) -> None:
         """Pass the server's output on to this process's stderr, until it is told to stop. What it
@@ -111,7 +106,7 @@ class TemporaryServer:
         """Return once the server answers /health; raise if it exits or `timeout_s` passes."""
         started, told = time.monotonic(), False
         deadline = started + timeout_s
-        with httpx.Client() as client:
+        with httpx.Client(timeout=1.0) as client:  # a request waits in the backlog meanwhile
             while not self.healthy:
                 if not told and time.monotonic() - started > STILL_STARTING_S:
                     logger.info(f"The temporary server is still starting (a first start creates its "
@@ -119,9 +114,6 @@ class TemporaryServer:
                     told = True
                 assert self.process is not None
                 code = self.process.poll()
-                if code == STARTUP_FAILURE and _taken(self.port):
-                    self._launch()
-                    continue
                 if code is not None:
                     raise RuntimeError(f"Prefect's temporary server exited with status {code}; its "
                                        "output above says why")
@@ -148,15 +140,6 @@ class TemporaryServer:
             self.process.kill()
             self.process.wait()
         self.process = None
-
-
-def _taken(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 _server: Optional[TemporaryServer] = None
