@@ -49,7 +49,7 @@ def train_fn(
     with contextlib.ExitStack() as stack:
         stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
-        controller = make_controller(plan, client)
+        controller = make_controller(plan, client, warm=cluster.preload)
         try:
             segment, kind = 0, "checkpoint"
             while kind != "finished":
@@ -103,7 +103,7 @@ class _TrainFlow(Flow):
             scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
             run = ft_train.RunConfig.model_validate(call.arguments["run_config"])
             if cluster.address is None and not scaling.use_gpu and not _nothing_to_train(run):
-                start_forkserver()
+                start_forkserver(cluster.preload)
                 ahead = Ahead(cluster, scaling)
         try:
             with ephemeral.api(server):

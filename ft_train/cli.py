@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 from .config import (
     DEFAULT_STORAGE_PATH,
     CheckpointConfig,
+    ClusterConfig,
     FailureConfig,
     RunConfig,
     ScalingConfig,
@@ -41,10 +41,9 @@ from .run_state import INDEX_CHUNK, STATE_FILE, RunState, RunStore, now
 from .storage import Storage
 
 DEMO_TRAIN_LOOP = "ft_train.examples.digits:train_loop"
-# What the demo's ranks import beyond torch (scikit-learn, for its data: 1.7 s on this machine's
-# cores). The workers' fork server imports it once, so that the fresh worker processes that
-# replace a failed group's have it at once (`ft_train.cluster`).
-DEMO_PRELOAD = ["ft_train.examples.digits", "sklearn.datasets"]
+# What the demo's ranks import beyond torch (scikit-learn, for its data: 1.7 s on 2 cores), for
+# `ClusterConfig.preload`: the fresh worker processes that replace a failed group's have it at once.
+DEMO_PRELOAD = ("ft_train.examples.digits", "sklearn.datasets")
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -350,8 +349,6 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.train import train  # imports Prefect and sets up its logging
 
-    multiprocessing.set_forkserver_preload(DEMO_PRELOAD)
-
     _quiet_console()
     try:
         result = train(
@@ -359,6 +356,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             train_loop_config=config,
             scaling_config=scaling,
             run_config=run_config,
+            cluster=ClusterConfig(preload=DEMO_PRELOAD),
         )
     except KeyboardInterrupt:
         _say(f"\ninterrupted; run the same command again to resume {args.name!r}")

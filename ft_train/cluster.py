@@ -24,7 +24,7 @@ import multiprocessing.forkserver
 import os
 import threading
 from concurrent.futures import Future
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
@@ -92,12 +92,14 @@ def _spawn_environ() -> dict[str, str]:
     return env
 
 
-def start_forkserver() -> bool:
+def start_forkserver(preload: Sequence[str] = ()) -> bool:
     """Start the fork server that local CPU workers fork from, once per driver process; it
-    imports its modules (`_preload`) in the background. Its environment is the one a spawned worker
-    would get. Called when a local cluster starts, and earlier by a Python call of the flow, so
-    that the imports overlap Prefect's start. False if a fork server that this module did not
-    start runs already (its imports and environment are unknown: workers are spawned then)."""
+    imports its modules (`_preload`) in the background. Its environment is the one a spawned
+    worker would get. Called when a local cluster starts, and earlier by a Python call of the
+    flow, so that the imports overlap Prefect's start. False if a fork server that this module
+    did not start runs already (its imports and environment are unknown: workers are spawned
+    then). A later run's `preload` that the server lacks is imported by each worker as it joins
+    (`WarmImports`)."""
     global _forkserver_env
     with _forkserver_lock:
         if _forkserver_env is not None:
@@ -107,26 +109,28 @@ def start_forkserver() -> bool:
             return False
         env = _spawn_environ()
         os.environ.update(env)  # the server inherits it (a nanny does the same before a spawn)
-        server.set_forkserver_preload(_preload(server._preload_modules))
+        server.set_forkserver_preload(_preload([*server._preload_modules, *preload]))
         server.ensure_running()
         _forkserver_env = env
         return True
 
 
 def _preload(wanted: list[str]) -> list[str]:
-    """FORKSERVER_PRELOAD, then the modules the user asked the fork server for
-    (`multiprocessing.set_forkserver_preload`). Python's default, `__main__`, is left out: the
-    server would run a script's top level again, and a worker needs none of it."""
-    return FORKSERVER_PRELOAD + [m for m in wanted if m not in FORKSERVER_PRELOAD and m != "__main__"]
+    """FORKSERVER_PRELOAD, then the modules the user asked the fork server for (with
+    `multiprocessing.set_forkserver_preload`, or `ClusterConfig.preload`). Python's default,
+    `__main__`, is left out: the server would run a script's top level again, and a worker
+    needs none of it."""
+    extra = [m for m in wanted if m not in FORKSERVER_PRELOAD and m != "__main__"]
+    return FORKSERVER_PRELOAD + list(dict.fromkeys(extra))
 
 
-def _worker_start() -> tuple[str, dict[str, str]]:
+def _worker_start(preload: Sequence[str] = ()) -> tuple[str, dict[str, str]]:
     """How a local CPU cluster starts its workers now: ("forkserver", the variables to set in a
     forked worker so that it sees the driver's environment as a spawned one would), or
     ("spawn", {}) where forking cannot give that environment: a variable was removed since the
     fork server started (variables read when torch is imported, OMP_NUM_THREADS and the like,
     keep the value they had then)."""
-    if not start_forkserver():
+    if not start_forkserver(preload):
         return "spawn", {}
     assert _forkserver_env is not None
     now = _spawn_environ()
@@ -183,7 +187,7 @@ def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[S
     """A local cluster, under DASK_SETTINGS and its workers' start method for its whole life
     (nannies read them each time they start a worker); closed on exit."""
     n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else SPARE_WORKERS)
-    method, env = ("spawn", {}) if scaling.use_gpu else _worker_start()
+    method, env = ("spawn", {}) if scaling.use_gpu else _worker_start(cluster.preload)
     settings = {**DASK_SETTINGS, "distributed.worker.multiprocessing-method": method}
     with dask.config.set(settings), _quiet_dask():
         if scaling.use_gpu:

@@ -7,6 +7,7 @@ worker starts, so bad input never reaches the cluster or the run's stored state.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from typing import Any, Literal, Optional, Union
@@ -193,10 +194,44 @@ class ClusterConfig(_Config):
         "Ignored with `address`.",
     )
 
+    preload: tuple[str, ...] = Field(
+        (),
+        description="Modules every worker imports before it runs a rank, beyond torch: the "
+        "training function's own heavy imports (e.g. 'sklearn.datasets'). A local cluster's fork "
+        "server imports them once, so the fresh processes that replace a failed group's have "
+        "them at once; an existing cluster's workers import them as they join.",
+    )
+
     @model_validator(mode="after")
     def _address_is_a_url(self) -> "ClusterConfig":
         if self.address is not None and "://" not in self.address:
             raise ValueError(
                 f"cluster.address {self.address!r} must be a scheduler URL like tcp://host:8786"
             )
+        return self
+
+    @field_validator("preload")
+    @classmethod
+    def _module_names(cls, modules: tuple[str, ...]) -> tuple[str, ...]:
+        for i, module in enumerate(modules):
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module):
+                raise ValueError(
+                    f"cluster.preload[{i}] {module!r} is not a module name: give dotted names "
+                    "like 'sklearn.datasets'"
+                )
+        return modules
+
+    @model_validator(mode="after")
+    def _preload_is_installed(self) -> "ClusterConfig":
+        """On a local cluster the workers import what the driver can: a module that is not
+        installed here would be skipped by them without a word. (Not asked of an existing
+        cluster, whose workers may have other packages.)"""
+        if self.address is None:
+            for i, module in enumerate(self.preload):
+                package = module.split(".")[0]
+                if importlib.util.find_spec(package) is None:
+                    raise ValueError(
+                        f"cluster.preload[{i}] {module!r}: no package {package!r} is installed "
+                        "here; install it, or remove it from cluster.preload"
+                    )
         return self

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from . import resume
 from .checkpoint_manager import CheckpointManager
@@ -172,7 +172,11 @@ def interrupt_or(error: BaseException) -> BaseException:
     return error
 
 
-def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.info) -> Controller:
+def make_controller(
+    plan: RunPlan, client, log: Callable[[str], None] = logger.info, warm: Sequence[str] = ()
+) -> Controller:
+    """The run's controller; `warm`: modules every worker imports beyond torch, as it joins
+    (`ClusterConfig.preload`)."""
     group_plan = GroupPlan(
         train_loop=plan.train_loop,
         config=plan.train_loop_config,
@@ -185,6 +189,7 @@ def make_controller(plan: RunPlan, client, log: Callable[[str], None] = logger.i
         start_timeout_s=plan.scaling.worker_start_timeout_s,
         collective_timeout_s=plan.run_config.failure_config.collective_timeout_s,
         agreement_interval_s=plan.run_config.failure_config.agreement_interval_s,
+        warm=tuple(warm),
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     controller = Controller(

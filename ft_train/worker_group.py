@@ -53,6 +53,7 @@ class GroupPlan:
     collective_timeout_s: float = 1800.0
     agreement_interval_s: float = 0.0
     elastic_wait_s: float = 0.0
+    warm: tuple[str, ...] = ()  # modules each worker imports beyond torch (ClusterConfig.preload)
 
 
 KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already

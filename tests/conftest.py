@@ -26,8 +26,9 @@ import pytest  # noqa: E402
 from ft_train.cli import DEMO_PRELOAD  # noqa: E402
 
 # Most tests train the demo on a local cluster: its workers' fork server imports what the demo
-# imports, as `ft-train demo` has it do (each failure replaces the group's processes).
-multiprocessing.set_forkserver_preload(DEMO_PRELOAD)
+# imports, as `ft-train demo` has it do (each failure replaces the group's processes). Python's
+# own hook, which ft-train honours as it does `ClusterConfig.preload`.
+multiprocessing.set_forkserver_preload(list(DEMO_PRELOAD))
 
 
 @pytest.fixture(scope="session")

@@ -172,6 +172,27 @@ def loader_worker_pids(n: int) -> list[int]:
     return sorted(set(iter(loader)))
 
 
+PRELOADED = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from ft_train import cluster
+from ft_train.config import ClusterConfig, ScalingConfig
+
+with cluster.dask_client(ClusterConfig(preload=["wave"]), ScalingConfig(num_workers=1)) as client:
+    print(json.dumps([client.run(lambda: "wave" in sys.modules), "wave" in sys.modules]))
+"""
+
+
+def test_cluster_preload_is_imported_by_the_fork_server_that_workers_fork_from():
+    """A process of its own: this one's fork server has started already."""
+    proc = subprocess.run([sys.executable, "-c", PRELOADED.format(repo=REPO)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on_workers, in_driver = json.loads(proc.stdout.splitlines()[-1])
+    assert list(on_workers.values()) == [True, True], on_workers  # the rank's worker and the spare
+    assert not in_driver  # imported there, not here
+
+
 def test_a_killed_workers_loader_processes_go_with_it():
     import psutil
 

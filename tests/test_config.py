@@ -181,6 +181,22 @@ def test_cluster_address_urls_are_accepted(address):
     assert ClusterConfig(address=address).address == address
 
 
+@pytest.mark.parametrize("preload, message", [
+    (["sklearn datasets"], "cluster.preload[0] 'sklearn datasets' is not a module name"),
+    (["json", "no_such_package_ft.sub"], "cluster.preload[1] 'no_such_package_ft.sub': no package "
+                                         "'no_such_package_ft' is installed here; install it"),
+])
+def test_cluster_preload_names_installed_modules(preload, message):
+    with pytest.raises(ValidationError, match=message.replace(".", r"\.").replace("[", r"\[")):
+        ClusterConfig(preload=preload)
+
+
+def test_cluster_preload_of_an_existing_cluster_is_not_looked_for_here():
+    """Its workers may have packages the driver has not."""
+    cfg = ClusterConfig(address="tcp://10.0.0.1:8786", preload=["no_such_package_ft"])
+    assert cfg.preload == ("no_such_package_ft",)
+
+
 def test_configs_round_trip_as_flow_parameters():
     """Prefect passes parameters as JSON: a dumped config validates back to an equal one."""
     cfg = RunConfig(

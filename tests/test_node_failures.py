@@ -55,7 +55,7 @@ class ExternalCluster:
     def kill(self, name, sig=signal.SIGKILL):
         os.killpg(self.procs[name].pid, sig)
 
-    def train(self, storage, name, config=None, *, train_loop=DEMO, scaling=None, **failure):
+    def train(self, storage, name, config=None, *, train_loop=DEMO, scaling=None, preload=(), **failure):
         """The ft-train flow on this cluster: the demo on two ranks unless told otherwise;
         `failure` holds FailureConfig's fields."""
         from flows.train import train
@@ -68,7 +68,7 @@ class ExternalCluster:
                 name=name, storage_path=storage.path, storage_options=storage.options,
                 failure_config=ft_train.FailureConfig(**failure),
             ),
-            cluster=ft_train.ClusterConfig(address=self.address),
+            cluster=ft_train.ClusterConfig(address=self.address, preload=preload),
         )
 
     def close(self):
@@ -110,7 +110,8 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
     chaos = threading.Thread(target=lambda: killed.setdefault("at", take_away_w1()), daemon=True)
     chaos.start()
     scaling = ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120)
-    result = cluster.train(storage, name, demo_config([hold]), scaling=scaling, max_failures=1)
+    result = cluster.train(storage, name, demo_config([hold]), scaling=scaling, max_failures=1,
+                           preload=["wave"])
     chaos.join(timeout=10)
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     (failure,) = result.failures
@@ -119,7 +120,13 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
     assert failure.time.timestamp() - killed["at"] < 5
     state = load_state(storage, name)
     assert [a.world_size for a in state.attempts] == [2, 2]
-    assert "w1" not in cluster.workers()
+    workers = cluster.workers()
+    assert "w1" not in workers
+    # cluster.preload: imported by the workers of an existing cluster too (the second group's
+    # were a rank's and the idle one's)
+    with Client(cluster.address, timeout=30) as client:
+        warm = client.run(lambda: "wave" in sys.modules, workers=[workers["w0"], workers["w2"]])
+    assert list(warm.values()) == [True, True], warm
 
 
 def test_a_lost_worker_is_charged_even_when_the_schedulers_word_of_it_is_late(

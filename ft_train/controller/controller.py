@@ -31,7 +31,7 @@ from ..errors import (
 from ..failure_policy import Decision
 from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
 from ..preemption import PreemptionWatcher
-from ..warm import WarmImports
+from ..warm import TORCH, WarmImports
 from ..worker_group import ANSWER_TIMEOUT_S, GroupPlan, WorkerGroup, more_workers_available
 from .rounds import ReportRounds, Round
 from .state import Errored, Finished, Idle, Running
@@ -241,14 +241,15 @@ class Controller:
         return None
 
     def _warm_workers(self) -> None:
-        """Once the first group is up, have every worker import torch (the spare, and those that
-        join later: a failed rank's replacement then starts at once). Not sooner: on a small
-        machine the imports would slow the run's start. On a thread: the spare takes seconds."""
+        """Once the first group is up, have every worker import torch and `cluster.preload` (the
+        spare, and those that join later: a failed rank's replacement then starts at once). Not
+        sooner: on a small machine the imports would slow the run's start. On a thread: the
+        spare takes seconds."""
         if self._warming:
             return
         self._warming = True
         # the run may be over before it is done: no matter, the workers only start cold
-        self._register(WarmImports(), 0.0, logger.debug)
+        self._register(WarmImports(TORCH + self.plan.warm), 0.0, logger.debug)
 
     def _register(self, plugin, wait_s: float, failed: Callable[[str], None]) -> None:
         """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for
