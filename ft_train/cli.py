@@ -477,7 +477,12 @@ def list_runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    return args.command_fn(args, args.command_parser)
+    try:
+        return args.command_fn(args, args.command_parser)
+    except BrokenPipeError:  # `ft-train list | head`: the reader has what it wanted
+        # Python's own advice: point stdout at /dev/null, or the flush at exit fails again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -79,3 +79,20 @@ def test_status_shows_the_config_the_run_last_trained_with(storage):
     assert code == 0, out
     assert re.search(r"train_loop +tests.test_cli_runs:noop_train_loop\n", out), out
     assert re.search(r'config +\{"epochs": 3, "lr": 0.1\}\n', out), out
+
+
+@on_storage("local")
+def test_output_cut_short_by_its_reader_ends_without_a_traceback(storage, tmp_path):
+    """`ft-train status run | head -1`: the reader closes the pipe before the command is done."""
+    import subprocess
+    import sys
+
+    prepare(storage, "run").release()
+    reader, writer = os.pipe()
+    os.close(reader)  # gone before the command writes a line
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "ft_train.cli", "status", "run", "--storage-path",
+                           storage.path], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=repo))
+    os.close(writer)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
