@@ -34,7 +34,7 @@ from ..preemption import PreemptionWatcher
 from ..warm import TORCH, WarmImports
 from ..worker_group import ANSWER_TIMEOUT_S, GroupPlan, WorkerGroup, more_workers_available
 from .rounds import ReportRounds, Round
-from .state import Errored, Finished, Idle, Running
+from .state import Errored, Finished, Idle, Preempting, Running
 
 logger = logging.getLogger("ft_train")
 
@@ -593,15 +593,6 @@ class Controller:
                 charged=False,
             )
         )
-
-
-@dataclass
-class Preempting:
-    """Workers of the running group have been told to leave."""
-
-    workers: set[str]
-    deadline: float  # epoch seconds
-    boundary: bool = False  # the ranks have learned of it at a report()
 
 
 def _fmt(metrics: dict[str, Any]) -> str:

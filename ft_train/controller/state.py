@@ -39,3 +39,12 @@ class Finished:
 class Errored:
     error: TrainingFailedError
     is_terminal = True
+
+
+@dataclass
+class Preempting:
+    """Beside the state: workers of the running group have been told to leave."""
+
+    workers: set[str]
+    deadline: float  # epoch seconds
+    boundary: bool = False  # the ranks have learned of it at a report()
