@@ -6,9 +6,9 @@ process that has torch imported already, while the nanny restarts the lost one i
 On CPU, worker processes fork from one fork server per driver process that imported torch once
 (`start_forkserver`), instead of each importing it: seconds of CPU a worker, which a cold start,
 a nanny's restart and the ranks' own cores (the spare's import) paid. A training function's own
-heavy imports are added the same way, with Python's `multiprocessing.set_forkserver_preload`
-before the first run: the group's processes are replaced after every failure, and each new one
-would import them again while the other ranks wait.
+heavy imports are added the same way (`ClusterConfig.preload`, or Python's
+`multiprocessing.set_forkserver_preload` before the first run): the group's processes are
+replaced after every failure, and each new one would import them again while the others wait.
 Settings that fault tolerance depends on stay in force for the cluster's
 whole life (nannies read them again each time they restart a worker):
 - `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
