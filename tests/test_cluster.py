@@ -51,7 +51,7 @@ def workers() -> list[dict]:
         on_main_heap = client.gather([
             client.submit(allocates_from_main_heap, workers=[w], pure=False) for w in seen
         ])
-        callbacks = set(client.cluster.scheduler.periodic_callbacks)
+        callbacks = {n for n, pc in client.cluster.scheduler.periodic_callbacks.items() if pc.is_running()}
         return [dict(w, main_heap=m, scheduler_callbacks=callbacks)
                 for w, m in zip(seen.values(), on_main_heap)]
 
@@ -73,6 +73,9 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
         assert w["main_heap"], w  # a rank's thread has no arena of its own (throughput)
     # nothing to steal or replicate: no wake-ups for it in the driver (throughput)
     assert not {c for c in seen[0]["scheduler_callbacks"] if c == "stealing" or c.startswith("amm")}
+    # nor for the checks of settings that are off (idle-timeout, no-workers-timeout: None)
+    assert not {"idle-timeout", "no-workers-timeout"} & seen[0]["scheduler_callbacks"]
+    assert "worker-ttl" in seen[0]["scheduler_callbacks"]  # while the checks of those that are on run
 
 
 def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
