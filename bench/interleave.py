@@ -1,0 +1,124 @@
+"""Steady-state throughput of ft-train against bare DDP, measured by taking turns.
+
+On these 2-core hosts the steps a second of one run drift by +-10% over tens of seconds (the
+host's load), and two runs started the same way can differ by a few percent for as long as they
+live (where their memory lies). Run one after the other, five pairs could not tell 0.96x from
+1.00x. Here all the runs are alive at once and take turns: each trains for `slice_s` while every
+other run's whole process group is stopped (SIGSTOP), so it has the cores to itself, and all of
+them share the same minutes of the host. Several runs of each system average out the rest.
+
+A run's rate: the steps rank 0 completed during its turns, from `margin_s` after each turn began
+(the step in flight when the turn began had waited through the others' turns), over the time they
+took. Each run warms up alone (to step 20) before the turns begin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+WARMUP_STEPS = 20
+WARMUP_TIMEOUT_S = 300.0
+
+
+class Run:
+    """One measurement process (`bench.ft_side steady` or `bench.ddp_bare steady`) in its own
+    process group: its fork server, Dask workers, Prefect server and ranks stop and go with it."""
+
+    def __init__(self, module: str, work: str, log: str, env: dict, cwd: str):
+        self.work = work
+        self.events = os.path.join(work, "events.jsonl")
+        self.windows: list[tuple[float, float]] = []
+        params = {"workdir": work, "steps": 10**7}  # never ends: killed after the last turn
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, "steady", json.dumps(params), os.path.join(work, "out.json")],
+                cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def steps(self) -> list[tuple[int, float]]:
+        """(step, time) of rank 0's steps so far."""
+        if not os.path.exists(self.events):
+            return []
+        with open(self.events) as f:
+            recs = [json.loads(line) for line in f if '"event": "step"' in line]
+        return [(e["step"], e["t"]) for e in recs if e["rank"] == 0]
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def warm_up(self) -> None:
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
+        while not (s := self.steps()) or s[-1][0] < WARMUP_STEPS:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.work}: no step {WARMUP_STEPS} (exit {self.proc.poll()})")
+            time.sleep(0.2)  # polling the run's event file for a condition, bounded above
+        self.signal(signal.SIGSTOP)
+
+    def turn(self, slice_s: float) -> None:
+        self.signal(signal.SIGCONT)
+        start = time.time()
+        time.sleep(slice_s)
+        self.signal(signal.SIGSTOP)
+        self.windows.append((start, time.time()))
+
+    def kill(self) -> None:
+        try:
+            self.signal(signal.SIGKILL)  # a stopped process dies of it too
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def rates(self, margin_s: float) -> tuple[Optional[float], list[float]]:
+        """(steps/s over all turns, steps/s of each turn)."""
+        ts = sorted(t for _, t in self.steps())
+        n = dt = 0.0
+        per = []
+        for a, b in self.windows:
+            w = [t for t in ts if a + margin_s < t <= b]
+            if len(w) > 2:
+                n, dt = n + len(w) - 1, dt + w[-1] - w[0]
+                per.append((len(w) - 1) / (w[-1] - w[0]))
+        return (n / dt if dt else None), per
+
+
+def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10, slice_s: float = 5.0,
+            margin_s: float = 0.5) -> dict:
+    """`instances` runs of each system taking `cycles` turns each (forwards, then backwards, so
+    no system always follows the same one). Work directories and logs under `base`."""
+    systems = {"ft-train": "bench.ft_side", "ddp": "bench.ddp_bare"}
+    runs: list[tuple[str, Run]] = []
+    try:
+        for i in range(instances):
+            for system, module in systems.items():
+                work = os.path.join(base, f"{system}-{i}")
+                os.makedirs(work)
+                print(f"  .. {system} run {i + 1} of {instances}: warming up", flush=True)
+                run = Run(module, work, work + ".log", env, cwd)
+                runs.append((system, run))
+                run.warm_up()
+        print(f"  .. {len(runs)} runs taking {cycles} turns of {slice_s:.0f} s", flush=True)
+        for c in range(cycles):
+            for _, run in runs if c % 2 == 0 else runs[::-1]:
+                run.turn(slice_s)
+    finally:
+        for _, run in runs:
+            run.kill()
+    out: dict = {"method": "interleaved", "instances": instances, "cycles": cycles, "slice_s": slice_s,
+                 "margin_s": margin_s}
+    for system in systems:
+        rates = [run.rates(margin_s) for s, run in runs if s == system]
+        overall = [r for r, _ in rates if r is not None]
+        out[system] = {
+            "steps_per_s": sum(overall) / len(overall) if overall else None,  # mean over runs
+            "runs_steps_per_s": overall,
+            "turns_steps_per_s": [per for _, per in rates],
+        }
+    ft, ddp = out["ft-train"]["steps_per_s"], out["ddp"]["steps_per_s"]
+    out["ratio"] = ft / ddp if ft and ddp else None
+    return out
