@@ -297,7 +297,8 @@ def fig_steady(s: Suite, with_ddp: bool) -> dict:
         out["pairs"] = [ft / ddp for ft, ddp in zip(rate["ft-train"], rate["ddp"]) if ft and ddp]
         # The figure compared with the target: the same runs taking turns (bench/interleave.py)
         work = os.path.join(s.dir, "interleaved")
-        out["interleaved"] = interleave.measure(work, s.env, REPO, **({"instances": 1, "cycles": 4} if s.quick else {}))
+        quick = {"instances": 1, "cycles": 4} if s.quick else {}
+        out["interleaved"] = interleave.measure(work, s.env, REPO, **quick)
         if not s.args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return out
@@ -405,12 +406,13 @@ def rows(figs: dict) -> list[dict]:
         il = f.get("interleaved")
         if il:  # taking turns: the figure compared with the target
             ift, iddp = il["ft-train"], il["ddp"]
+            runs = lambda f: ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])  # noqa: E731
+            n = il["instances"]
             row("steady-state throughput, report() every step, runs taking turns", "steps/s",
                 ift["steps_per_s"], ray, ">= 0.98x bare DDP", cmp(il["ratio"], 0.98, le=False),
-                f"{il['instances']} run{'s' if il['instances'] > 1 else ''} of each, {il['cycles']} turns of {il['slice_s']:.0f} s: bare DDP "
-                f"{_f(iddp['steps_per_s'], 'steps/s')}; ft-train/DDP {il['ratio']:.3f}; the runs: ft-train "
-                + ", ".join(f"{x:.2f}" for x in ift["runs_steps_per_s"]) + ", DDP "
-                + ", ".join(f"{x:.2f}" for x in iddp["runs_steps_per_s"]))
+                f"{n} run{'s' if n > 1 else ''} of each, {il['cycles']} turns of {il['slice_s']:.0f} s: "
+                f"bare DDP {_f(iddp['steps_per_s'], 'steps/s')}; ft-train/DDP {il['ratio']:.3f}; the runs: "
+                f"ft-train {runs(ift)}, DDP {runs(iddp)}")
         row("steady-state throughput, report() every step, one run after the other", "steps/s", ft, ray,
             "" if il else ">= 0.98x bare DDP", None if il else cmp(r, 0.98, le=False),
             f"bare DDP {_f(ddp, 'steps/s')}; ft-train/DDP {r:.3f}" if r else "")
