@@ -1,4 +1,5 @@
-"""The failure policy: given a failure and the run's history, RETRY or RAISE.
+"""The failure policy: given a failure and the run's history, RETRY or RAISE, and the error a
+RAISE ends the run with.
 
 It decides only; the controller executes the decision (and Prefect's task retry carries it out).
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from .config import FailureConfig
+from .errors import TrainingFailedError
 from .run_state import FailureRecord, RunState
 
 
@@ -40,6 +43,35 @@ def decide(
     if not failure.charged or max_failures == -1:
         return Decision.RETRY
     return Decision.RETRY if state.charged_failures <= max_failures else Decision.RAISE
+
+
+def final_error(
+    failure: FailureRecord, state: RunState, config: FailureConfig, start_failures: int
+) -> TrainingFailedError:
+    """Why the run ends, after `decide` said RAISE: the budget it exceeded and the failures
+    that spent it (those since the budget was last reset)."""
+    recent = state.failures[state.budget_start :]
+    if start_failures >= START_FAILURE_LIMIT:
+        return TrainingFailedError(
+            f"training failed: the worker group failed to start {start_failures} "
+            "times in a row (before every rank had joined the process group); a restart "
+            "will not fix this: check that the workers can reach each other (firewall, "
+            f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and their logs. Failures:\n"
+            f"{describe(recent[-start_failures:])}",
+            [f.model_dump(mode="json") for f in recent],
+        )
+    if failure.kind == "preemption":
+        count, listed = preemptions(state), [f for f in recent if f.kind == "preemption"]
+        budget = f"max_preemption_failures={config.max_preemption_failures}"
+    else:
+        count, listed = state.charged_failures, [f for f in recent if f.charged]
+        budget = f"max_failures={config.max_failures}"
+    return TrainingFailedError(
+        f"training failed: {count} failures exceed {budget} "
+        f"(run_config.failure_config.{budget.split('=')[0]}). "
+        f"Failures:\n{describe(listed)}",
+        [f.model_dump(mode="json") for f in recent],
+    )
 
 
 def preemptions(state: RunState) -> int:

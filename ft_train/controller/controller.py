@@ -502,33 +502,7 @@ class Controller:
             failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is Decision.RAISE:
-            recent = self.state.failures[self.state.budget_start :]
-            if self.start_failures >= failure_policy.START_FAILURE_LIMIT:
-                listed = recent[-self.start_failures :]
-                error = TrainingFailedError(
-                    f"training failed: the worker group failed to start {self.start_failures} "
-                    "times in a row (before every rank had joined the process group); a restart "
-                    "will not fix this: check that the workers can reach each other (firewall, "
-                    f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and their logs. Failures:\n"
-                    f"{failure_policy.describe(listed)}",
-                    [f.model_dump(mode="json") for f in recent],
-                )
-                self._raise(error)
-            if failure.kind == "preemption":
-                count = failure_policy.preemptions(self.state)
-                listed = [f for f in recent if f.kind == "preemption"]
-                budget = f"max_preemption_failures={cfg.max_preemption_failures}"
-            else:
-                count, listed = self.state.charged_failures, [f for f in recent if f.charged]
-                budget = f"max_failures={cfg.max_failures}"
-            self._raise(
-                TrainingFailedError(
-                    f"training failed: {count} failures exceed {budget} "
-                    f"(run_config.failure_config.{budget.split('=')[0]}). "
-                    f"Failures:\n{failure_policy.describe(listed)}",
-                    [f.model_dump(mode="json") for f in recent],
-                )
-            )
+            self._raise(failure_policy.final_error(failure, self.state, cfg, self.start_failures))
         self.store.save(self.state)
         self.phase = Idle(after_failure=failure)
 
