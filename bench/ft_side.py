@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import ft_train
 from bench.workload import Api, read_events, run_loop
