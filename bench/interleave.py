@@ -10,6 +10,13 @@ them share the same minutes of the host. Several runs of each system average out
 A run's rate: the steps rank 0 completed during its turns, from `margin_s` after each turn began
 (the step in flight when the turn began had waited through the others' turns), over the time they
 took. Each run warms up alone (to step 20) before the turns begin.
+
+A diagnostic, not a figure: with `ranks_only`, a third kind of run is ft-train with only its
+rank processes let run in its turns; its driver, Prefect server, fork server and spare stay
+stopped, and catch up for `CATCH_UP_S` between turns, outside any measured window. It tells how
+much of a gap is the work beside the ranks.
+
+    python -m bench.interleave [--instances N] [--cycles N] [--ranks-only]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Optional
 
 WARMUP_STEPS = 20
 WARMUP_TIMEOUT_S = 300.0
+CATCH_UP_S = 0.3  # ranks_only: the other processes of the run, between its turns
 
 
 class Run:
@@ -60,8 +68,11 @@ class Run:
             time.sleep(0.2)  # polling the run's event file for a condition, bounded above
         self.signal(signal.SIGSTOP)
 
-    def turn(self, slice_s: float) -> None:
+    def resume(self) -> None:
         self.signal(signal.SIGCONT)
+
+    def turn(self, slice_s: float) -> None:
+        self.resume()
         start = time.time()
         time.sleep(slice_s)
         self.signal(signal.SIGSTOP)
@@ -87,11 +98,59 @@ class Run:
         return (n / dt if dt else None), per
 
 
+class RanksOnly(Run):
+    """An ft-train run whose turns let its rank processes alone run (the diagnostic above)."""
+
+    others: list[int]  # the run's processes other than its ranks, found as each turn begins
+
+    def resume(self) -> None:
+        self.others = [p for p in _group(self.proc.pid) if not _is_rank(p)]
+        super().resume()
+        _send(self.others, signal.SIGSTOP)
+
+    def turn(self, slice_s: float) -> None:
+        super().turn(slice_s)  # ends with the whole group stopped
+        _send(self.others, signal.SIGCONT)
+        time.sleep(CATCH_UP_S)
+        _send(self.others, signal.SIGSTOP)
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of a process group, from /proc."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                pids.append(int(pid))
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _is_rank(pid: int) -> bool:
+    """Has the process a gloo thread: it is a rank, not the driver, a server or a spare."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return any(open(f"/proc/{pid}/task/{t}/comm").read().startswith("pt_gloo") for t in tasks)
+    except OSError:
+        return False
+
+
+def _send(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10, slice_s: float = 5.0,
-            margin_s: float = 0.5) -> dict:
+            margin_s: float = 0.5, ranks_only: bool = False) -> dict:
     """`instances` runs of each system taking `cycles` turns each (forwards, then backwards, so
     no system always follows the same one). Work directories and logs under `base`."""
     systems = {"ft-train": "bench.ft_side", "ddp": "bench.ddp_bare"}
+    if ranks_only:
+        systems["ft-train-ranks-only"] = "bench.ft_side"
     runs: list[tuple[str, Run]] = []
     try:
         for i in range(instances):
@@ -99,7 +158,8 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
                 work = os.path.join(base, f"{system}-{i}")
                 os.makedirs(work)
                 print(f"  .. {system} run {i + 1} of {instances}: warming up", flush=True)
-                run = Run(module, work, work + ".log", env, cwd)
+                kind = RanksOnly if system == "ft-train-ranks-only" else Run
+                run = kind(module, work, work + ".log", env, cwd)
                 runs.append((system, run))
                 run.warm_up()
         print(f"  .. {len(runs)} runs taking {cycles} turns of {slice_s:.0f} s", flush=True)
@@ -121,4 +181,36 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
         }
     ft, ddp = out["ft-train"]["steps_per_s"], out["ddp"]["steps_per_s"]
     out["ratio"] = ft / ddp if ft and ddp else None
+    if ranks_only:
+        only = out["ft-train-ranks-only"]["steps_per_s"]
+        out["ratio_ranks_only"] = only / ddp if only and ddp else None
     return out
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--instances", type=int, default=3, help="runs of each system (default 3)")
+    p.add_argument("--cycles", type=int, default=10, help="turns each run takes (default 10)")
+    p.add_argument("--ranks-only", action="store_true",
+                   help="add ft-train runs whose turns let only the rank processes run")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ft-interleave-") as base:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": repo, "PREFECT_HOME": os.path.join(base, "prefect-home"),
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # as bench.run's Suite
+        env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral mode, as in bench.run's figure
+        out = measure(base, env, repo, args.instances, args.cycles, ranks_only=args.ranks_only)
+    for system, f in out.items():
+        if isinstance(f, dict):
+            runs = ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])
+            print(f"{system:20} {f['steps_per_s']:6.2f} steps/s (runs: {runs})")
+    print(f"ft-train / bare DDP: {out['ratio']:.3f}")
+    if args.ranks_only:
+        print(f"ft-train with its ranks only / bare DDP: {out['ratio_ranks_only']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
