@@ -130,10 +130,13 @@ def _group(pgid: int) -> list[int]:
 def _is_rank(pid: int) -> bool:
     """Has the process a gloo thread: it is a rank, not the driver, a server or a spare."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return any(open(f"/proc/{pid}/task/{t}/comm").read().startswith("pt_gloo") for t in tasks)
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/comm") as f:
+                if f.read().startswith("pt_gloo"):
+                    return True
     except OSError:
-        return False
+        pass
+    return False
 
 
 def _send(pids: list[int], sig: int) -> None:
