@@ -11,6 +11,14 @@ A run's rate: the steps rank 0 completed during its turns, from `margin_s` after
 (the step in flight when the turn began had waited through the others' turns), over the time they
 took. Each run warms up alone (to step 20) before the turns begin.
 
+No run stays stopped longer than `max_stop_s()`, below the time ft-train's Dask scheduler waits
+for a silent worker (`worker-ttl`, 60 s). A run stopped longer has its workers dropped when it
+resumes, and restarts its ranks, as it should: its turns then time a restart, not steady state.
+So the runs take their turns in one order every cycle (reversing it every other cycle stopped the
+first and last runs for two cycles' turns), and a run that waits for another to warm up is let
+run for a moment every `KEEP_ALIVE_EVERY_S`. A run that restarted anyway is counted
+(`restarts`), and the figure is then not one of steady state.
+
 A diagnostic, not a figure: with `ranks_only`, a third kind of run is ft-train with only its
 rank processes let run in its turns; its driver, Prefect server, fork server and spare stay
 stopped, and catch up for `CATCH_UP_S` between turns, outside any measured window. It tells how
@@ -32,6 +40,17 @@ from typing import Optional
 WARMUP_STEPS = 20
 WARMUP_TIMEOUT_S = 300.0
 CATCH_UP_S = 0.3  # ranks_only: the other processes of the run, between its turns
+KEEP_ALIVE_EVERY_S = 15.0  # while one run warms up, the others run for KEEP_ALIVE_S this often
+KEEP_ALIVE_S = 1.0
+
+
+def max_stop_s() -> float:
+    """The longest a run may stay stopped: four fifths of ft-train's worker-ttl."""
+    from dask.utils import parse_timedelta
+
+    from ft_train.cluster import DASK_SETTINGS
+
+    return 0.8 * parse_timedelta(DASK_SETTINGS["distributed.scheduler.worker-ttl"])
 
 
 class Run:
@@ -60,11 +79,29 @@ class Run:
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
 
-    def warm_up(self) -> None:
+    def restarts(self) -> int:
+        """How many times rank 0 started again once the turns had begun."""
+        if not self.windows or not os.path.exists(self.events):
+            return 0
+        with open(self.events) as f:
+            starts = [json.loads(line) for line in f if '"event": "start"' in line]
+        return sum(1 for e in starts if e["rank"] == 0 and e["t"] > self.windows[0][0])
+
+    def warm_up(self, waiting: list[Run]) -> None:
+        """Until rank 0 reaches WARMUP_STEPS; the `waiting` runs (stopped) are let run for a
+        moment every KEEP_ALIVE_EVERY_S meanwhile."""
         deadline = time.monotonic() + WARMUP_TIMEOUT_S
+        kept = time.monotonic()
         while not (s := self.steps()) or s[-1][0] < WARMUP_STEPS:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.work}: no step {WARMUP_STEPS} (exit {self.proc.poll()})")
+            if time.monotonic() - kept > KEEP_ALIVE_EVERY_S:
+                for run in waiting:
+                    run.signal(signal.SIGCONT)
+                time.sleep(KEEP_ALIVE_S)
+                for run in waiting:
+                    run.signal(signal.SIGSTOP)
+                kept = time.monotonic()
             time.sleep(0.2)  # polling the run's event file for a condition, bounded above
         self.signal(signal.SIGSTOP)
 
@@ -149,11 +186,18 @@ def _send(pids: list[int], sig: int) -> None:
 
 def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10, slice_s: float = 5.0,
             margin_s: float = 0.5, ranks_only: bool = False) -> dict:
-    """`instances` runs of each system taking `cycles` turns each (forwards, then backwards, so
-    no system always follows the same one). Work directories and logs under `base`."""
+    """`instances` runs of each system taking `cycles` turns each, in the same order every cycle.
+    Work directories and logs under `base`."""
     systems = {"ft-train": "bench.ft_side", "ddp": "bench.ddp_bare"}
     if ranks_only:
         systems["ft-train-ranks-only"] = "bench.ft_side"
+    n = instances * len(systems)
+    # A run waits through the others' turns; with ranks_only, its driver through its own as well.
+    stop_s = (n - 1) * slice_s if not ranks_only else n * (slice_s + CATCH_UP_S)
+    if stop_s > max_stop_s():
+        raise ValueError(f"{instances} instances of {len(systems)} systems taking {slice_s:g} s turns stop "
+                         f"each run for {stop_s:.0f} s, over {max_stop_s():.0f} s: ft-train's scheduler "
+                         "would drop its workers; use fewer instances or shorter turns")
     runs: list[tuple[str, Run]] = []
     try:
         for i in range(instances):
@@ -163,11 +207,11 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
                 print(f"  .. {system} run {i + 1} of {instances}: warming up", flush=True)
                 kind = RanksOnly if system == "ft-train-ranks-only" else Run
                 run = kind(module, work, work + ".log", env, cwd)
+                run.warm_up([r for _, r in runs])
                 runs.append((system, run))
-                run.warm_up()
         print(f"  .. {len(runs)} runs taking {cycles} turns of {slice_s:.0f} s", flush=True)
-        for c in range(cycles):
-            for _, run in runs if c % 2 == 0 else runs[::-1]:
+        for _ in range(cycles):
+            for _, run in runs:
                 run.turn(slice_s)
     finally:
         for _, run in runs:
@@ -181,6 +225,7 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
             "steps_per_s": sum(overall) / len(overall) if overall else None,  # mean over runs
             "runs_steps_per_s": overall,
             "turns_steps_per_s": [per for _, per in rates],
+            "restarts": [run.restarts() for s, run in runs if s == system],
         }
     ft, ddp = out["ft-train"]["steps_per_s"], out["ddp"]["steps_per_s"]
     out["ratio"] = ft / ddp if ft and ddp else None
@@ -188,6 +233,12 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
         only = out["ft-train-ranks-only"]["steps_per_s"]
         out["ratio_ranks_only"] = only / ddp if only and ddp else None
     return out
+
+
+def restarted(out: dict) -> str:
+    """The systems whose runs restarted during the turns, with how often; "" if none did."""
+    return ", ".join(f"{system} {f['restarts']}" for system, f in out.items()
+                     if isinstance(f, dict) and any(f.get("restarts", ())))
 
 
 def main() -> None:
@@ -211,6 +262,8 @@ def main() -> None:
             runs = ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])
             print(f"{system:20} {f['steps_per_s']:6.2f} steps/s (runs: {runs})")
     print(f"ft-train / bare DDP: {out['ratio']:.3f}")
+    if restarts := restarted(out):
+        print(f"NOT steady state: runs restarted their ranks during the turns ({restarts})")
     if args.ranks_only:
         print(f"ft-train with its ranks only / bare DDP: {out['ratio_ranks_only']:.3f}")
 
