@@ -260,7 +260,9 @@ def main() -> None:
     for system, f in out.items():
         if isinstance(f, dict):
             runs = ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])
-            print(f"{system:20} {f['steps_per_s']:6.2f} steps/s (runs: {runs})")
+            turns = [len(t) for t in f["turns_steps_per_s"]]  # a turn with under 3 steps is left out
+            counted = "" if min(turns) == args.cycles else f"; turns counted: {turns}"
+            print(f"{system:20} {f['steps_per_s']:6.2f} steps/s (runs: {runs}{counted})")
     print(f"ft-train / bare DDP: {out['ratio']:.3f}")
     if restarts := restarted(out):
         print(f"NOT steady state: runs restarted their ranks during the turns ({restarts})")
