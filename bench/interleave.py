@@ -68,24 +68,26 @@ class Run:
                 cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
-    def steps(self) -> list[tuple[int, float]]:
-        """(step, time) of rank 0's steps so far."""
+    def rank0(self, event: str) -> list[dict]:
+        """Rank 0's records of `event` so far."""
         if not os.path.exists(self.events):
             return []
         with open(self.events) as f:
-            recs = [json.loads(line) for line in f if '"event": "step"' in line]
-        return [(e["step"], e["t"]) for e in recs if e["rank"] == 0]
+            recs = [json.loads(line) for line in f if f'"event": "{event}"' in line]
+        return [e for e in recs if e["rank"] == 0]
+
+    def steps(self) -> list[tuple[int, float]]:
+        """(step, time) of rank 0's steps so far."""
+        return [(e["step"], e["t"]) for e in self.rank0("step")]
 
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
 
     def restarts(self) -> int:
         """How many times rank 0 started again once the turns had begun."""
-        if not self.windows or not os.path.exists(self.events):
+        if not self.windows:
             return 0
-        with open(self.events) as f:
-            starts = [json.loads(line) for line in f if '"event": "start"' in line]
-        return sum(1 for e in starts if e["rank"] == 0 and e["t"] > self.windows[0][0])
+        return sum(1 for e in self.rank0("start") if e["t"] > self.windows[0][0])
 
     def warm_up(self, waiting: list[Run]) -> None:
         """Until rank 0 reaches WARMUP_STEPS; the `waiting` runs (stopped) are let run for a
