@@ -25,8 +25,9 @@ from .errors import (
     SessionError,
     TrainLoopImportError,
 )
+from .journal import Journal, run_key
 from .preemption import GroupStop
-from .session import RankSpec, Session
+from .session import FAIL_FLUSH_S, RankSpec, Session
 
 logger = logging.getLogger("ft_train")
 
@@ -73,17 +74,12 @@ class DaskSender:
     """Reports travel as Dask events to the driver's client, batched.
 
     The rank's thread only appends a message to a queue; the worker's event loop hands what is
-    queued to `Worker.log_event`, as one event, every `interval_s`. Calling `log_event` from the
-    rank's thread instead wakes the event loop on every report, which cost the rank ~0.1 ms a
-    call, and every event costs the scheduler and the driver's client their own handling. Each
-    tick takes the GIL from the rank's thread too. With a report every 35 ms step, 50 ms ticks
-    instead of 5 ms gave 2-4% more steps a second, and 100 ms (about three reports an event)
-    another 3% in one series. 500 ms: on a 2-core host where ranks fill the cores, the driver
-    wakes 36 times a second instead of 85 and takes 2.8% of a core instead of 3.9%, each rank's
-    event loop 0.75% instead of 1.4% (with the scheduler settings in `cluster.DASK_SETTINGS`);
-    the driver learns of metrics up to 500 ms later. A checkpoint's
-    message goes at once: a rank killed before the next tick would lose it, and with it the
-    round's commit. `flush()` hands over what is queued now (a test's fault gate uses it);
+    queued to `Worker.log_event`, as one event, every `interval_s`: a call from the rank's
+    thread would wake the event loop, and each event costs the scheduler and the driver their
+    own handling (bench/README.md has the figures). The driver learns of metrics up to
+    `interval_s` later; a checkpoint's message goes at once, so that its round commits soon.
+    What dies queued with a killed rank is not lost: the rank's journal has what a commit needs
+    (`ft_train.journal`). `flush()` hands over what is queued now (a test's gate uses it);
     `close()` hands over what is left and returns once the event loop has taken it, before the
     rank's task returns."""
 
@@ -178,12 +174,14 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
     import torch.distributed as dist
 
     sender = DaskSender(spec.topic) if send is None else None
-    session = Session(spec, send or sender)
+    journal = Journal(run_key(spec.storage.uri(spec.name)), spec.attempt_id, spec.rank)
+    session = Session(spec, send or sender, journal)
     _session.install(session)
     try:
         fn = load_train_loop(spec.train_loop)
         _init_process_group(spec)
         session.control = _control_group()
+        journal.joined(spec.start_report_index)  # the driver counts it as started
         session.send({"rank": spec.rank, "started": True})  # the hang watchdog starts here
         call_train_loop(fn, spec.config)
         session.finish()  # waits for the pending uploads
@@ -196,11 +194,14 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         error = f"{type(e).__name__}: {e}"
         # a broken contract (ConfigError, SessionError): no retry can fix it
         fatal = isinstance(e, (ConfigError, SessionError))
+        # the rounds whose uploads are pending were reported: let them finish (journaled)
+        session.stopped(FAIL_FLUSH_S)
         raise RankFailure(spec.rank, session.report_index, error, tb, fatal, _damaged(e)) from None
     finally:
         session.close()  # drops uploads still pending (none after a clean finish)
         session.control = None  # released before the default group, whose device it shares
         _session.install(None)
+        journal.close()
         if sender is not None:
             sender.close()  # the last reports are on their way before the task's result
         if dist.is_initialized():

@@ -15,6 +15,11 @@ report k+1 is what they knew when they called their k-th report(). With reports 
 than `FailureConfig.agreement_interval_s` (0.25 s), the ranks start one only every few reports
 (at most AGREE_EVERY_MAX), the same ones on every rank.
 
+Guarantee: once `report()` has returned on every rank for round k, round k's checkpoint is
+committed even if a rank dies the next instant; with `checkpoint_upload_mode="async"`, once its
+uploads are stored. Only a driver death (or the loss of a journal's node) may lose it. report()
+journals what the commit needs before it returns (`_journal`, `_returning`; `ft_train.journal`).
+
 Contract (what the driver relies on):
 - every rank MUST call `report()` the same number of times; round k is rank 0's metrics plus the
   files of every rank that attached a checkpoint in its k-th call;
@@ -43,6 +48,7 @@ from . import preemption
 from .checkpoint import Checkpoint
 from .checkpoint_manager import checkpoint_dir_name
 from .errors import SessionError, StorageError
+from .journal import Journal
 from .storage import Storage
 from .uploads import Uploads
 
@@ -133,12 +139,18 @@ UPLOAD_MODES = ("sync", "async")
 # A group stopped by the driver (a resize) waits this long for its pending uploads to finish, so
 # that the rounds they complete can still be committed; the rest are dropped.
 STOP_FLUSH_S = 10.0
+# A rank that failed (its own error, or a peer's) waits this long for them: less than the
+# driver's grace before it kills a failed group's processes (controller.STOP_GRACE_S).
+FAIL_FLUSH_S = 2.0
 
 
 class Session:
-    def __init__(self, spec: RankSpec, send: Callable[[dict], None]):
+    def __init__(
+        self, spec: RankSpec, send: Callable[[dict], None], journal: Optional[Journal] = None
+    ):
         self.spec = spec
         self.send = send
+        self.journal = journal  # what must outlive this process (`ft_train.journal`)
         self.report_index = spec.start_report_index
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
@@ -183,9 +195,29 @@ class Session:
             msg["dir_name"], remote = dir_name, f"{s.name}/{dir_name}"
             with checkpoint.as_directory() as local:
                 if checkpoint_upload_mode == "async":
+                    self._journal({"rank": s.rank, "index": self.report_index,
+                                   "dir_name": dir_name, "upload": "pending"})
                     self._uploads_started().submit(local, remote, msg)
-                    return  # the message follows the upload
+                    self._returning()
+                    return  # the message follows the upload (`_deliver`)
                 msg["files"] = s.storage.upload_dir(local, remote)
+            self._journal(msg)
+        self._returning()
+        self.send(msg)
+
+    # Crash ordering: what report() journals is on the node before it returns; what it sends
+    # may still be queued in this process. The driver reads the journals after a failure.
+    def _journal(self, msg: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.append(msg)
+
+    def _returning(self) -> None:
+        if self.journal is not None:
+            self.journal.reached(self.report_index)
+
+    def _deliver(self, msg: dict[str, Any]) -> None:
+        """An asynchronous upload is stored (on the upload thread): its message, journaled."""
+        self._journal(msg)
         self.send(msg)
 
     def _agree(self, msg: dict[str, Any]) -> None:
@@ -208,6 +240,8 @@ class Session:
             self.preemption = info = agreed.preemption
             msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
         self._next_agreement = self._agreement_index + agreed.every
+        if self.journal is not None:
+            self.journal.all_reached(self._agreement_index)
 
     def _start_agreement(self) -> None:
         """Starting an agreement costs a rank ~0.3 ms on a busy CPU (the all-reduce's threads
@@ -230,7 +264,7 @@ class Session:
 
     def _uploads_started(self) -> Uploads:
         if self._uploads is None:
-            self._uploads = Uploads(self.spec.storage, self.send)
+            self._uploads = Uploads(self.spec.storage, self._deliver)
         return self._uploads
 
     def finish(self) -> None:
@@ -250,12 +284,13 @@ class Session:
             if not (agreed.all_finished and agreed.same_index):
                 raise SessionError(_UNEQUAL.format(self.report_index + 1))
 
-    def stopped(self) -> None:
-        """The driver stopped the group (GroupStop): give the pending uploads `STOP_FLUSH_S` to
-        finish, so the rounds they complete can still be committed, then drop the rest."""
+    def stopped(self, timeout_s: float = STOP_FLUSH_S) -> None:
+        """The group is stopping (the driver's GroupStop, or a failure): give the pending
+        uploads `timeout_s` to finish, so the rounds they complete can still be committed (the
+        driver reads them from the journal), then drop the rest."""
         if self._uploads is not None:
             try:
-                self._uploads.flush(timeout=STOP_FLUSH_S)
+                self._uploads.flush(timeout=timeout_s)
             except StorageError:
                 pass  # that round is lost; the group restarts from a committed checkpoint anyway
         self.close()

@@ -16,6 +16,7 @@ and waiting for the collective timeout would take up to 30 minutes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -30,9 +31,11 @@ from typing import Any, Callable, Collection, Union
 
 import dask
 from distributed import Client
+from distributed.protocol import pickle
 
-from . import preemption
+from . import journal, preemption
 from .errors import WorkerStartupError
+from .journal import run_key
 from .rank import free_port, run_rank
 from .session import RankSpec
 from .storage import Storage
@@ -142,14 +145,18 @@ def more_workers_available(client: Client, plan: GroupPlan, current: list[str], 
 
 
 class WorkerGroup:
-    def __init__(self, client: Client, attempt: int, events: "queue.Queue[tuple]"):
+    def __init__(
+        self, client: Client, attempt: int, events: "queue.Queue[tuple]", storage_uri: str = ""
+    ):
         self.client = client
+        self.storage_uri = storage_uri  # the run's, which names its ranks' journals
         self.attempt = attempt
         self.attempt_id = uuid.uuid4().hex
         self.topic = f"ft-train-{self.attempt_id}"
         self.events = events
         self.addresses: list[str] = []
         self.nannies: dict[str, str | None] = {}
+        self.hosts: dict[str, str] = {}
         self.futures: list = []
         self.stopped = False
 
@@ -165,6 +172,7 @@ class WorkerGroup:
         master_addr, master_port = info[addrs[0]]["host"], ports[addrs[0]]
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
+        self.hosts = {a: info[a]["host"] for a in addrs}
 
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
         self.client.subscribe_topic(self.topic, self._on_reports)
@@ -235,6 +243,40 @@ class WorkerGroup:
             except OSError:
                 pass
         return "node_loss"
+
+    def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
+        """The journals of this attempt's ranks (`ft_train.journal`), once the group has
+        stopped: rank -> {"index": the last report that returned, "messages": [...]}. Read
+        through each node's nanny, which outlives its worker, all nodes at once; a node whose
+        nanny is gone or silent within ANSWER_TIMEOUT_S (a lost node), and those in `skip`, are
+        left out: what their ranks sent is all there is. A worker without a nanny is asked
+        itself, if it still runs."""
+        key = run_key(self.storage_uri)
+        where: dict[str, str] = {}  # host -> whom to ask there: one answer has all its ranks
+        for a in sorted(self.addresses, key=lambda a: self.nannies.get(a) is None):
+            if a not in skip:
+                where.setdefault(self.hosts[a], self.nannies.get(a) or a)
+
+        async def read(addr: str) -> dict[int, dict[str, Any]]:
+            call = self.client.rpc(addr).run(
+                function=pickle.dumps(journal.collect), args=pickle.dumps((key, self.attempt_id))
+            )
+            try:
+                answer = await asyncio.wait_for(call, ANSWER_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError):
+                return {}  # gone, or frozen: its node's journals are lost with it
+            if answer.get("status") != "OK":  # its function raised: logged on that node
+                return {}
+            return answer["result"]
+
+        async def read_all() -> list[dict[int, dict[str, Any]]]:
+            return await asyncio.gather(*(read(a) for a in where.values()))
+
+        found: dict[int, dict[str, Any]] = {}
+        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
+            for answer in self.client.sync(read_all):
+                found.update(answer)
+        return found
 
     def request_stop(self) -> None:
         """Ask every rank to leave its training function (at the same later report, all of them)."""

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Iterable, Literal, Optional
+from typing import Any, Callable, Collection, Container, Iterable, Literal, Optional
 
 from distributed import KilledWorker
 
@@ -179,7 +179,7 @@ class Controller:
     def _start_group(self) -> None:
         self.store.fence()  # no ranks for a run that is another driver's now
         attempt = len(self.state.attempts)
-        group = WorkerGroup(self.client, attempt, self.events)
+        group = WorkerGroup(self.client, attempt, self.events, self.plan.storage.uri(self.plan.name))
         self.done = {}
         self.collateral = None
         self.resizing = False
@@ -418,13 +418,7 @@ class Controller:
                 self._last_progress_log = time.monotonic()
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return None
-        dropped = self.manager.commit(
-            self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
-        )
-        self.log(
-            f"checkpoint {rnd.dir_name} committed at step {rnd.index}: {_fmt(rnd.metrics)}"
-            + (f" (deleted {len(dropped)} older)" if dropped else "")
-        )
+        self._commit(rnd)
         if self.preempting is not None and self.preempting.boundary:
             self._preempted(rnd.index, jit=rnd.dir_name)
         elif not self.resizing and more_workers_available(
@@ -435,6 +429,16 @@ class Controller:
             self.resizing = True
             self.phase.group.request_stop()
         return Segment("checkpoint", rnd.index, rnd.metrics, rnd.dir_name)
+
+    def _commit(self, rnd: Round, how: str = "") -> None:
+        self.last_metrics = rnd.metrics
+        dropped = self.manager.commit(
+            self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
+        )
+        self.log(
+            f"checkpoint {rnd.dir_name} committed at step {rnd.index}{how}: {_fmt(rnd.metrics)}"
+            + (f" (deleted {len(dropped)} older)" if dropped else "")
+        )
 
     def _finish(self) -> Segment:
         """Every rank returned: wait for reports still in flight, then mark the run finished."""
@@ -471,11 +475,12 @@ class Controller:
         """Stop the group, record the failure, and raise what the failure policy decided."""
         seen = now()  # the record's time: when the failure was seen, not when the ranks stopped
         group = self.phase.group
-        grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
         failed = {group.addresses[rank]} if kind in ("exception", "hang") else set()
-        self.dead_workers |= group.stop(grace_s=grace, kill_first=failed)
-        if len(self.progress) < len(group.addresses):
-            self.start_failures += 1
+        lost = {group.addresses[rank]} if kind == "node_loss" else set()
+        joined = self._stop_group(kill_first=failed, lost=lost)
+        # Only a group some of whose ranks never joined failed to start; a rank that died after
+        # it joined is an ordinary failure, whether or not its "started" reached the driver.
+        self.start_failures = 0 if len(joined) == len(group.addresses) else self.start_failures + 1
         failure = FailureRecord(
             kind=kind,
             rank=rank,
@@ -492,6 +497,22 @@ class Controller:
             f"{self.state.latest or 'scratch'} (failure {budget} allowed by max_failures)",
             failure.model_dump(mode="json"),
         )
+
+    def _stop_group(self, kill_first: Collection[str] = (), lost: Collection[str] = ()) -> set[int]:
+        """Stop the running group, then commit the newest round that all of its ranks reported,
+        from their journals: a rank's last reports may have died with it, but not its journal
+        (`ft_train.journal`). Returns the ranks that had joined the process group.
+
+        Crash ordering: the commit comes before the failure is recorded, so the next group
+        restores from it; a driver killed in between leaves a committed checkpoint."""
+        group = self.phase.group
+        grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
+        self.dead_workers |= group.stop(grace_s=grace, kill_first=kill_first)
+        journals = group.read_journals(skip=lost)
+        rnd = self.rounds.recover(journals)
+        if rnd is not None:
+            self._commit(rnd, " (recovered from the ranks' journals)")
+        return set(self.progress) | {r for r, j in journals.items() if "index" in j}
 
     def _judge(self, failure: FailureRecord) -> None:
         """Record `failure` and ask the failure policy. RAISE ends the run here (raises);
@@ -530,6 +551,9 @@ class Controller:
         from the latest committed checkpoint."""
         group = self.phase.group
         group.release()
+        # the ranks' last reports may still be on their way: their journals have them
+        if (rnd := self.rounds.recover(group.read_journals())) is not None:
+            self._commit(rnd, " (recovered from the ranks' journals)")
         self.resizing = False
         self.log(f"growing the group of {len(group.addresses)} ranks (a resize, not a failure)")
         self.phase = Idle()
@@ -552,8 +576,8 @@ class Controller:
         self.preempting = None
         # They go now rather than at their deadline; the other ranks then fail on their own at
         # once (gloo sees the closed connections) and keep their processes.
-        grace = 0.0 if self.plan.use_gpu else STOP_GRACE_S
-        self.dead_workers |= group.stop(grace_s=grace, kill_first=leaving) | leaving
+        self._stop_group(kill_first=leaving)
+        self.dead_workers |= leaving
         ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
         what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
         self.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")

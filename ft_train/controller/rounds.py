@@ -28,8 +28,40 @@ class ReportRounds:
         self.received: dict[int, int] = {}  # rank -> highest index received
 
     def add(self, msg: dict) -> None:
-        self.pending.setdefault(msg["index"], {})[msg["rank"]] = msg
         self.received[msg["rank"]] = max(self.received.get(msg["rank"], 0), msg["index"])
+        if msg["index"] > self.last_index:  # else a journal's copy of a round handed out
+            self.pending.setdefault(msg["index"], {})[msg["rank"]] = msg
+
+    def recover(self, journals: dict[int, dict]) -> Optional[Round]:
+        """Once the group has stopped: the newest checkpoint round that every rank reached,
+        with every file of it stored, from what reached the driver and what the ranks'
+        journals hold (`ft_train.journal`); None if there is none newer than the last round
+        handed out. The rounds before it are passed over: none of them is a newer checkpoint.
+
+        A rank whose journal was read reached the highest index it holds, and attached files
+        at round k only if its journal has a line for k; an intent (an asynchronous upload)
+        without its message leaves round k incomplete. For a rank whose journal is lost (its
+        node), only its own message for round k says what it attached."""
+        intents: dict[int, set[int]] = {}
+        for rank, journal in journals.items():
+            if "index" in journal:
+                self.received[rank] = max(self.received.get(rank, 0), journal["index"])
+            for msg in journal["messages"]:
+                if msg.get("upload") == "pending":
+                    intents.setdefault(msg["index"], set()).add(rank)
+                else:
+                    self.add(msg)
+        reached = min(self.received.get(r, self.last_index) for r in range(self.world_size))
+        for index in sorted(self.pending, reverse=True):
+            msgs = self.pending[index]
+            if index > reached or not any(m.get("dir_name") for m in msgs.values()):
+                continue
+            known = all(r in msgs or r in journals for r in range(self.world_size))
+            if known and intents.get(index, set()) <= set(msgs):
+                self.pending = {i: m for i, m in self.pending.items() if i > index}
+                self.last_index = index
+                return _consolidate(index, msgs)
+        return None
 
     def pop_complete(self) -> Optional[Round]:
         """The next round if every rank has reported it, else None."""
@@ -39,11 +71,17 @@ class ReportRounds:
             return None
         del self.pending[nxt]
         self.last_index = nxt
-        first = msgs.get(0, next(iter(msgs.values())))
-        rnd = Round(nxt, first["metrics"], preempted=first.get("preempted"), deadline=first.get("deadline"))
-        for rank in sorted(msgs):
-            m = msgs[rank]
-            if m.get("dir_name"):
-                rnd.dir_name = m["dir_name"]
-                rnd.files.update(m["files"])
-        return rnd
+        return _consolidate(nxt, msgs)
+
+
+def _consolidate(index: int, msgs: dict[int, dict]) -> Round:
+    """One round from its ranks' messages: rank 0's metrics (the lowest rank's, when a
+    recovered round lacks rank 0's), every rank's files."""
+    first = msgs[min(msgs)]
+    rnd = Round(index, first["metrics"], preempted=first.get("preempted"), deadline=first.get("deadline"))
+    for rank in sorted(msgs):
+        m = msgs[rank]
+        if m.get("dir_name"):
+            rnd.dir_name = m["dir_name"]
+            rnd.files.update(m["files"])
+    return rnd
