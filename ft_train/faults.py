@@ -2,12 +2,20 @@
 
 A fault is a dict in the training function's config, e.g.
     {"rank": 1, "step": 7, "kind": "raise", "marker": "/tmp/x/fault-1"}
-Kinds: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "freeze" (SIGSTOP of
-it: every thread stops, its Dask worker's too, as on a machine that hangs), "wait" (block until
-the process is killed: a hang, or a point at which to kill a driver), "until_preempted" (block
-until this rank's worker is told to leave: a point at which to send it SIGTERM), "until_file"
-(block until the file `path` exists: a point at which a test changes the cluster). With a `marker` path the fault fires
-once: the marker is created atomically before it acts, so a rerun or a restart passes it by.
+Faults: "raise" (an exception), "kill" (SIGKILL of the rank's own process), "exit"
+(`os._exit(3)`), "freeze" (SIGSTOP of it: every thread stops, its Dask worker's too, as on a
+machine that hangs), "hang" (block until the process is killed). A fault does nothing first
+that a real one would not: no report is handed over, nothing is flushed.
+
+Gates are not faults: they hold the rank at a point where the test acts on the cluster, and first
+hand the rank's queued reports over, so that the driver has them when the test acts (a test's
+synchronisation, as a barrier would be). "wait" at a point where the test kills a driver or a
+node, "until_preempted" (block until this rank's worker is told to leave: a point at which to
+send it SIGTERM), "until_file" (block until the file `path` exists: a point at which a test
+changes the cluster).
+
+With a `marker` path a fault fires once: the marker is created atomically before it acts, so a
+rerun or a restart passes it by.
 """
 
 from __future__ import annotations
@@ -54,10 +62,12 @@ def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) 
             raise InjectedFault(f"injected fault on rank {rank} at step {step}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "exit":
+            os._exit(3)
         if kind == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): the rank goes on
-        if kind == "wait":
+        if kind in ("wait", "hang"):
             threading.Event().wait()  # until this process is killed
         if kind == "until_file":  # until the test creates fault["path"]
             while not os.path.exists(fault["path"]):

@@ -19,7 +19,7 @@ def run_config(storage, name, max_failures=0, **kw) -> ft_train.RunConfig:
         name=name,
         storage_path=storage.path,
         storage_options=storage.options,
-        failure_config=ft_train.FailureConfig(max_failures=max_failures),
+        failure_config=kw.pop("failure_config", ft_train.FailureConfig(max_failures=max_failures)),
         **kw,
     )
 

@@ -34,3 +34,53 @@ def gpu_probe(config):
     dist.all_reduce(t)
     assert t.item() == ctx.get_world_size()
     ft_train.report({"cvd": cvd, "device": str(device), "world": ctx.get_world_size()})
+
+
+def fast_checkpoints(config):
+    """Data-parallel training at a few ms a step that resumes bit-exactly: a tiny model, each
+    step's batch drawn from the step number, a checkpoint every `every` steps from rank 0 only
+    (the other ranks attach none, as in Ray's guide) or from every rank (`sharded`), uploaded
+    with `mode` ("sync" or "async"). Faults from `faults` (ft_train.faults) at the top of a step:
+    at step s, right after report s returned."""
+    import tempfile
+
+    import torch
+
+    from ft_train.faults import maybe_inject
+
+    ctx = ft_train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    steps, every = config["steps"], config.get("every", 4)
+    sharded, mode = config.get("sharded", False), config.get("mode", "sync")
+    torch.manual_seed(0)
+    model = ft_train.torch.prepare_model(torch.nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    raw, step = getattr(model, "module", model), 0
+    if (checkpoint := ft_train.get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, f"rank{rank if sharded else 0}.pt"))
+        raw.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    resumed_from = step
+    while step < steps:
+        maybe_inject(config.get("faults"), rank, step)
+        batch = torch.Generator().manual_seed(step * world + rank)
+        x, y = torch.randn(16, 8, generator=batch), torch.randn(16, 4, generator=batch)
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        metrics = {"step": step, "loss": loss.item(), "resumed_from": resumed_from}
+        if step % every and step < steps:
+            ft_train.report(metrics)
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            if sharded or rank == 0:
+                state = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+                torch.save(state, os.path.join(d, f"rank{rank}.pt"))
+                attached = ft_train.Checkpoint.from_directory(d)
+            else:
+                attached = None
+            ft_train.report(metrics, checkpoint=attached, checkpoint_upload_mode=mode)

@@ -114,10 +114,10 @@ def tell_worker_to_leave(chaos: "Chaos", fault: Fault) -> None:
 
 KINDS: dict[str, Kind] = {
     "raise": Kind("raise", "exception"),
-    # A SIGKILLed rank's last reports may die with its process (they are batched): the record's
-    # step is the last one the driver received, from the restore point up to the fault's step.
-    "kill": Kind("kill", "process_death", exact_step=False),
-    "hang": Kind("wait", "hang"),
+    # A SIGKILLed rank's last reports die with its process (they are batched), but not its
+    # journal: the record's step is exact (ft_train.journal).
+    "kill": Kind("kill", "process_death"),
+    "hang": Kind("hang", "hang"),
     # The rank's whole process stops (SIGSTOP), its Dask worker too: a hang whose worker cannot
     # be killed; the run leaves it behind (WorkerGroup.kill gives up on it). Its queued reports
     # stop with it, as a killed rank's die with it.

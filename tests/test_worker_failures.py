@@ -230,7 +230,7 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
 @on_storage("s3")
 def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, tmp_path):
     # rank 1 sleeps forever inside its loop, once
-    recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="wait"), 10.0)
+    recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="hang"), 10.0)
 
 
 @on_storage("s3")
