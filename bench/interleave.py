@@ -24,7 +24,10 @@ rank processes let run in its turns; its driver, Prefect server, fork server and
 stopped, and catch up for `CATCH_UP_S` between turns, outside any measured window. It tells how
 much of a gap is the work beside the ranks.
 
-    python -m bench.interleave [--instances N] [--cycles N] [--ranks-only]
+    python -m bench.interleave [--instances N] [--cycles N] [--ranks-only] [--baseline DIR]
+
+With `--baseline DIR` (another checkout: an earlier commit), its runs take the same turns, and
+report() is timed in both afterwards: figures before and after a change, from one invocation.
 """
 
 from __future__ import annotations
@@ -187,12 +190,15 @@ def _send(pids: list[int], sig: int) -> None:
 
 
 def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10, slice_s: float = 5.0,
-            margin_s: float = 0.5, ranks_only: bool = False) -> dict:
+            margin_s: float = 0.5, ranks_only: bool = False, baseline: Optional[str] = None) -> dict:
     """`instances` runs of each system taking `cycles` turns each, in the same order every cycle.
-    Work directories and logs under `base`."""
+    Work directories and logs under `base`. `baseline`: another checkout of ft-train (an earlier
+    commit), whose runs ("ft-train-baseline") take turns with the others."""
     systems = {"ft-train": "bench.ft_side", "ddp": "bench.ddp_bare"}
     if ranks_only:
         systems["ft-train-ranks-only"] = "bench.ft_side"
+    if baseline:
+        systems["ft-train-baseline"] = "bench.ft_side"
     n = instances * len(systems)
     # A run waits through the others' turns; with ranks_only, its driver through its own as well.
     stop_s = (n - 1) * slice_s if not ranks_only else n * (slice_s + CATCH_UP_S)
@@ -208,7 +214,8 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
                 os.makedirs(work)
                 print(f"  .. {system} run {i + 1} of {instances}: warming up", flush=True)
                 kind = RanksOnly if system == "ft-train-ranks-only" else Run
-                run = kind(module, work, work + ".log", env, cwd)
+                where = baseline if system == "ft-train-baseline" else cwd
+                run = kind(module, work, work + ".log", {**env, "PYTHONPATH": where}, where)
                 run.warm_up([r for _, r in runs])
                 runs.append((system, run))
         print(f"  .. {len(runs)} runs taking {cycles} turns of {slice_s:.0f} s", flush=True)
@@ -234,7 +241,32 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
     if ranks_only:
         only = out["ft-train-ranks-only"]["steps_per_s"]
         out["ratio_ranks_only"] = only / ddp if only and ddp else None
+    if baseline:
+        before = out["ft-train-baseline"]["steps_per_s"]
+        out["ratio_baseline"] = before / ddp if before and ddp else None
     return out
+
+
+def report_times(base: str, env: dict, trees: dict[str, str], steps: int = 600, reps: int = 2) -> dict:
+    """report()'s blocking time in runs of `steps` steps of each tree, one after the other,
+    alternating `reps` times (`bench.workload.report_stats` over all of a tree's calls)."""
+    from bench.workload import report_stats
+
+    events: dict[str, list] = {name: [] for name in trees}
+    for i in range(reps):
+        for name, tree in trees.items():
+            work = os.path.join(base, f"report-{name}-{i}")
+            os.makedirs(work)
+            print(f"  .. report(): {name} run {i + 1} of {reps}", flush=True)
+            out = os.path.join(work, "out.json")
+            params = {"workdir": work, "steps": steps}
+            with open(work + ".log", "wb") as log:
+                subprocess.run([sys.executable, "-m", "bench.ft_side", "steady", json.dumps(params), out],
+                               cwd=tree, env={**env, "PYTHONPATH": tree}, stdout=log,
+                               stderr=subprocess.STDOUT, timeout=600, check=True)
+            with open(out) as f:
+                events[name] += json.load(f)["events"]
+    return {name: report_stats(evs) for name, evs in events.items()}
 
 
 def restarted(out: dict) -> str:
@@ -252,13 +284,19 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=10, help="turns each run takes (default 10)")
     p.add_argument("--ranks-only", action="store_true",
                    help="add ft-train runs whose turns let only the rank processes run")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="another checkout of ft-train (e.g. `git worktree add DIR COMMIT`): its runs "
+                   "take turns with the others, and report() is timed in both")
     args = p.parse_args()
+    baseline = os.path.abspath(args.baseline) if args.baseline else None
     with tempfile.TemporaryDirectory(prefix="ft-interleave-") as base:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": repo, "PREFECT_HOME": os.path.join(base, "prefect-home"),
                "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # as bench.run's Suite
         env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral mode, as in bench.run's figure
-        out = measure(base, env, repo, args.instances, args.cycles, ranks_only=args.ranks_only)
+        out = measure(base, env, repo, args.instances, args.cycles, ranks_only=args.ranks_only,
+                      baseline=baseline)
+        reports = report_times(base, env, {"ft-train": repo, "ft-train-baseline": baseline}) if baseline else {}
     for system, f in out.items():
         if isinstance(f, dict):
             runs = ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])
@@ -270,6 +308,11 @@ def main() -> None:
         print(f"NOT steady state: runs restarted their ranks during the turns ({restarts})")
     if args.ranks_only:
         print(f"ft-train with its ranks only / bare DDP: {out['ratio_ranks_only']:.3f}")
+    if baseline:
+        print(f"ft-train at {baseline} / bare DDP: {out['ratio_baseline']:.3f}")
+    for name, st in reports.items():
+        print(f"report() {name:20} median {st['median_ms']:.3f} ms, p99 {st['p99_ms']:.3f} ms "
+              f"({st['calls']} calls)")
 
 
 if __name__ == "__main__":
