@@ -4,8 +4,9 @@ Worker side: `Checkpoint.as_directory()` of a remote checkpoint goes through `ca
 One entry per checkpoint URL, under a key hashed from it:
   `{key}/`           the checkpoint's verified files, renamed into place complete
   `{key}.partial-*`  a download in progress, or one whose rank was killed
-  `{key}.lock`       its flock: shared while a rank reads `{key}/` (inside `as_directory`),
-                     exclusive while a rank downloads it or an eviction removes it
+  `{key}.lock`       its flock: shared while a rank uses the entry (inside `as_directory`,
+                     downloading included), exclusive while an eviction removes it
+  `{key}.download`   a flock held by the one rank of the node that downloads it
 
 Eviction, so that disk use stays flat over any number of restores: after each download, every
 entry past the `KEEP` most recently used (a use touches `{key}/`) is removed, each only if its
@@ -13,9 +14,9 @@ lock can be taken exclusively at once. An entry a rank has open, or one being do
 never removed; a killed rank's lock goes with its process, so its partial download and its open
 entry go at the next eviction. The cache holds at most `KEEP` entries plus those in use.
 
-Two ranks of a node restoring one checkpoint at once: both ask for the shared lock; the first to
-find no directory takes the exclusive lock and downloads, the other waits on it and then reads
-the same directory. Only one downloads.
+Two ranks of a node restoring one checkpoint at once: both take the shared lock and find no
+directory; the first to take the download lock downloads, the other waits on it and then finds
+the directory complete. Only one downloads, and neither waits for the other to leave its block.
 """
 
 from __future__ import annotations
@@ -42,43 +43,35 @@ def cached(root: str, url: str, fetch: Callable[[str], None]) -> Iterator[str]:
     first use (which MUST leave only verified files); it stays while the block runs."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, key_of(url))
-    fd = _hold(final + ".lock", fcntl.LOCK_SH)
+    fd = _hold(final + ".lock", fcntl.LOCK_SH)  # until the block ends: no eviction removes it
     try:
         if not os.path.isdir(final):
-            os.close(fd)
-            fd = -1
-            fd = _fill(final, fetch)
+            _download(final, fetch)
             evict(root, keep=KEEP, current=final)
-        os.utime(final)  # most recently used; nobody can remove it while we hold the lock
+        os.utime(final)  # most recently used
         yield final
     finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _fill(final: str, fetch: Callable[[str], None]) -> int:
-    """Download into `final` unless another rank has; return the fd of a shared lock on it."""
-    lock = final + ".lock"
-    while True:
-        fd = _hold(lock, fcntl.LOCK_EX)
-        try:
-            if not os.path.isdir(final):
-                _remove_partials(final)  # a killed rank's: none is in progress under our lock
-                partial = f"{final}.partial-{uuid.uuid4().hex[:8]}"
-                try:
-                    fetch(partial)
-                    os.replace(partial, final)  # a reader sees all files or no directory
-                finally:
-                    shutil.rmtree(partial, ignore_errors=True)
-            # Not atomic: the exclusive lock is dropped before the shared one is taken, so an
-            # eviction may remove the entry in between. Then look again.
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except BaseException:
-            os.close(fd)
-            raise
-        if os.path.isdir(final) and _same_file(fd, lock):
-            return fd
         os.close(fd)
+
+
+def _download(final: str, fetch: Callable[[str], None]) -> None:
+    """Fill `final` unless another rank of the node has meanwhile. The caller holds the entry's
+    shared lock, so no eviction can remove the download lock or the directory under us.
+
+    The download has its own lock, not the entry's exclusive one: a rank waiting to download
+    must not wait for the ranks already reading the entry to leave their block (they may be
+    waiting for it in a collective: a deadlock)."""
+    with open(final + ".download", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one download per node; the others wait for it
+        if os.path.isdir(final):
+            return
+        _remove_partials(final)  # a killed rank's: none is in progress under our lock
+        partial = f"{final}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            fetch(partial)
+            os.replace(partial, final)  # a reader sees all files or no directory
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def evict(root: str, keep: int, current: str = "") -> list[str]:
@@ -112,6 +105,7 @@ def _remove(final: str) -> bool:
             return False  # removed by another eviction meanwhile
         shutil.rmtree(final, ignore_errors=True)
         _remove_partials(final)
+        _unlink(final + ".download")
         # Crash ordering: the lock file goes last, while held. A rank that opened it before
         # finds it unlinked once it gets the lock (`_same_file`) and opens the new one.
         os.unlink(lock)
@@ -132,6 +126,13 @@ def _hold(path: str, mode: int) -> int:
         if _same_file(fd, path):
             return fd
         os.close(fd)  # an eviction unlinked it after we opened it: take the new one
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # never created: the entry was never downloaded here
 
 
 def _remove_partials(final: str) -> None:
