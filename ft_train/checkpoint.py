@@ -9,15 +9,13 @@ half-written directory can never be restored.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-import uuid
 from typing import Any, Iterator, Optional
 
+from . import download_cache
 from .errors import CheckpointDamagedError, StorageError
 from .storage import Storage, file_digest
 
@@ -64,7 +62,8 @@ class Checkpoint:
         """A local directory with the checkpoint's files, for reading only.
 
         A local checkpoint is yielded in place. A remote one is downloaded once per node into a
-        cache shared by the ranks of that node, and verified against its manifest.
+        cache shared by the ranks of that node (`download_cache`), and verified against its
+        manifest; the directory stays until the block ends, and may be evicted after.
         """
         if self._is_local():
             path = self._storage().full("")
@@ -72,7 +71,9 @@ class Checkpoint:
                 self._verify(path, self.manifest()["files"])
             yield path
         else:
-            yield self._download_once()
+            root = os.path.join(tempfile.gettempdir(), download_cache.CACHE)
+            with download_cache.cached(root, self.path, self.download_verified) as path:
+                yield path
 
     def to_directory(self, path: Optional[str] = None) -> str:
         """Copy the checkpoint into `path` (a new temporary directory by default); return it."""
@@ -80,23 +81,6 @@ class Checkpoint:
         with self.as_directory() as src:
             shutil.copytree(src, path, dirs_exist_ok=True)
         return path
-
-    def _download_once(self) -> str:
-        key = hashlib.sha256(self.path.encode()).hexdigest()[:20]
-        cache = os.path.join(tempfile.gettempdir(), "ft-train-cache")
-        os.makedirs(cache, exist_ok=True)
-        final = os.path.join(cache, key)
-        # One download per node: the first rank holds the lock, the others wait and reuse it.
-        with open(final + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not os.path.isdir(final):
-                partial = f"{final}.partial-{uuid.uuid4().hex[:8]}"
-                try:
-                    self.download_verified(partial)
-                    os.replace(partial, final)  # a reader sees all files or no directory
-                finally:
-                    shutil.rmtree(partial, ignore_errors=True)
-        return final
 
     def download_verified(self, local_dir: str) -> None:
         """Fetch the manifest's files into `local_dir` and check every size and checksum."""

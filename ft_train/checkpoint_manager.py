@@ -25,7 +25,7 @@ from .config import CheckpointConfig
 from .run_state import INDEX_CHUNK, CheckpointEntry, RunState, RunStore, now
 from .storage import FileInfo, Storage
 
-CHECKPOINT_DIR = re.compile(r"^checkpoint_\d{6,}-a\d+-[0-9a-f]+$")
+CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d{6,})-a\d+-[0-9a-f]+$")  # group 1: the report index
 
 
 def checkpoint_dir_name(report_index: int, attempt: int, attempt_id: str) -> str:
@@ -120,16 +120,29 @@ class CheckpointManager:
             state.checkpoints = state.checkpoints[self.index_chunk :]
             state.sealed_chunks += 1
 
-    def collect_orphans(self, state: RunState) -> list[str]:
-        """Delete checkpoint directories the run state does not reference (crash leftovers).
-        Reads the sealed chunks too: a sealed checkpoint is referenced, never an orphan."""
+    def collect_orphans(self, state: RunState, read_index: bool = True) -> list[str]:
+        """Delete checkpoint directories the run state does not reference (crash leftovers);
+        return their names. One listing of the run's directory.
+
+        A sealed checkpoint is referenced, never an orphan. Commits only go forward in report
+        index (a fall-back drops head entries, it never revives sealed ones), so every sealed
+        entry is older than the head's oldest: an unreferenced directory at or past that index
+        is an orphan without reading the sealed index. An older one may be sealed: with
+        `read_index` the sealed chunks are read to tell (one read each); without (a driver's
+        start, which must stay O(1) reads: invariant 5) it is left for a later full sweep."""
         self.store.fence()  # a driver that lost the run must not delete the new one's uploads
-        referenced = {e.dir_name for e in self.store.all_checkpoints(state)}
-        orphans = [
-            n
-            for n in self.storage.list_dir(self.store.name)
-            if CHECKPOINT_DIR.match(n) and n not in referenced
-        ]
+        found = {m.group(0): int(m.group(1)) for n in self.storage.list_dir(self.store.name)
+                 if (m := CHECKPOINT_DIR.match(n))}
+        referenced = {e.dir_name for e in state.checkpoints}
+        if state.sealed_chunks:
+            oldest = min((e.report_index for e in state.checkpoints), default=math.inf)
+            if read_index:
+                referenced |= {e.dir_name for e in self.store.all_checkpoints(state)}
+            else:
+                referenced |= {n for n, index in found.items() if index < oldest}
+        orphans = [n for n in found if n not in referenced]
+        # Crash ordering: the saved state already does not reference these (they were never in
+        # it, or retention saved it without them first); a crash midway leaves some for later.
         for name in orphans:
             self.storage.delete_dir(f"{self.store.name}/{name}")
         return orphans

@@ -55,11 +55,14 @@ def prepare_run(
     log: Callable[[str], None] = logger.info,
     holder: str = "",
     holder_id: str = "",
+    storage: Optional[Storage] = None,
 ) -> RunPlan:
     """Validate the input, take the run's lease (`holder` says who for, `holder_id` its id: a
-    flow run) and find (or create) the run state. Fails before any worker starts; a run that
-    another driver is training raises RunLockedError. The caller calls `release()` on the plan
-    when done."""
+    flow run), find (or create) the run state and remove the checkpoint directories a crashed
+    driver left uncommitted. Fails before any worker starts; a run that another driver is
+    training raises RunLockedError. The caller calls `release()` on the plan when done.
+    `storage`: the run's storage, opened from `run_config` by default (a test passes one that
+    injects faults)."""
     load_train_loop(train_loop)
     config = dict(train_loop_config or {})
     try:
@@ -67,7 +70,8 @@ def prepare_run(
     except (TypeError, ValueError) as e:
         raise ConfigError(f"train_loop_config must be JSON-serialisable: {e}") from None
 
-    storage = Storage(run_config.storage_path, run_config.storage_options)
+    if storage is None:
+        storage = Storage(run_config.storage_path, run_config.storage_options)
     store = RunStore(storage, run_config.name)
     new = resume.wanted(train_loop, config, scaling, run_config.checkpoint_config)
     if run_config.resume != "auto":  # asked again under the lease; here, a refusal writes nothing
@@ -111,10 +115,12 @@ def _rehydrate(
     lease: RunLease,
     log: Callable[[str], None],
 ) -> RunPlan:
-    """Load the run state (or create it), under the lease, and record this driver's start."""
+    """Load the run state (or create it), under the lease, record this driver's start, and sweep
+    the previous drivers' uncommitted checkpoint directories."""
     state = store.load()
     where = storage.uri(run_config.name)
     resume.check(run_config, state, new, where, log)
+    resumed = state is not None  # a new run has nothing to sweep (nor a run with no state file)
     if state is None:
         state = RunState(name=run_config.name)
         log(f"new run {run_config.name!r} at {where}")
@@ -136,7 +142,35 @@ def _rehydrate(
             f"cannot write to {where} ({type(e).__name__}: {e}); check run_config.storage_path "
             "and run_config.storage_options"
         ) from None
+    if resumed:
+        _sweep_orphans(storage, store, state, run_config, log)
     return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
+
+
+def _sweep_orphans(
+    storage: Storage, store: RunStore, state: RunState, run_config: RunConfig, log: Callable
+) -> None:
+    """Remove the checkpoint directories the run state does not reference: uploads of rounds
+    that a killed (or failed) driver never committed. A driver that finishes training sweeps
+    its own in `Controller._finish`; nothing else would remove these.
+
+    Crash ordering: this runs under the lease, after this driver's start is saved and before
+    any rank of this driver exists, so a directory unreferenced now belongs to an attempt that
+    can never commit (its driver is gone); a crash midway leaves the rest for the next start.
+    Cost: one listing of the run's directory, no read (invariant 5): an orphan older than the
+    head's oldest entry of a run with a sealed index is left to `_finish`'s full sweep."""
+    manager = CheckpointManager(storage, store, run_config.checkpoint_config)
+    try:
+        removed = manager.collect_orphans(state, read_index=False)
+    except RunLockedError:
+        raise
+    except Exception as e:  # leftovers cost space, not correctness: train, and sweep next time
+        log(f"could not remove the uncommitted checkpoint directories of run {state.name!r} "
+            f"({type(e).__name__}: {e}); the next driver start tries again")
+        return
+    if removed:
+        log(f"removed {len(removed)} uncommitted checkpoint directories left by a crash: "
+            f"{', '.join(removed)}")
 
 
 def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bool) -> None:
