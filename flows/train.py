@@ -49,23 +49,23 @@ def train_fn(
     with contextlib.ExitStack() as stack:
         stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
-        controller = make_controller(plan, client, warm=cluster.preload)
+        controller = make_controller(plan, client, warm=cluster.preload, callbacks=[events])
         try:
             segment, kind = 0, "checkpoint"
             while kind != "finished":
                 segment += 1
                 retries = controller.retries_left()
                 step = train_segment.with_options(retries=retries, retry_delay_seconds=0)
-                kind = step(controller, segment, events).kind
+                kind = step(controller, segment).kind
         except BaseException as e:
             why = interrupt_or(e)
             controller.abort(why)  # stop the ranks; record why (Ctrl+C is not charged)
             if plan.state.status == "failed":
-                finalize(plan, events)
+                finalize(plan)
             if why is e:
                 raise
             raise why from None  # the Ctrl+C itself, not the error Prefect raised in its place
-    return finalize(plan, events)
+    return finalize(plan)
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:

@@ -12,14 +12,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 from . import resume
 from .checkpoint_manager import CheckpointManager
 from .config import RunConfig, ScalingConfig
-from .controller import Controller
+from .cluster import DaskCluster
+from .controller import Callback, Controller, GroupPlan
 from .errors import ConfigError, RunLockedError, StorageError
 from .lease import RunLease
 from .rank import load_train_loop
 from .result import TrainResult
 from .run_state import FailureRecord, RunState, RunStore
 from .storage import Storage
-from .worker_group import GroupPlan
 
 logger = logging.getLogger("ft_train")
 
@@ -207,10 +207,15 @@ def interrupt_or(error: BaseException) -> BaseException:
 
 
 def make_controller(
-    plan: RunPlan, client, log: Callable[[str], None] = logger.info, warm: Sequence[str] = ()
+    plan: RunPlan,
+    client,
+    log: Callable[[str], None] = logger.info,
+    warm: Sequence[str] = (),
+    callbacks: Sequence[Callback] = (),
 ) -> Controller:
-    """The run's controller; `warm`: modules every worker imports beyond torch, as it joins
-    (`ClusterConfig.preload`)."""
+    """The run's controller on the Dask cluster of `client`; `warm`: modules every worker
+    imports beyond torch, as it joins (`ClusterConfig.preload`); `callbacks`: who is told of
+    attempts, checkpoints, failures and the run's end."""
     group_plan = GroupPlan(
         train_loop=plan.train_loop,
         config=plan.train_loop_config,
@@ -227,7 +232,8 @@ def make_controller(
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     controller = Controller(
-        client, group_plan, plan.state, plan.store, manager, plan.run_config.failure_config, log
+        DaskCluster(client), group_plan, plan.state, plan.store, manager,
+        plan.run_config.failure_config, log, callbacks,
     )
     plan.lease.on_lost = controller.lease_lost  # stop training at once, not at the next write
     return controller

@@ -32,7 +32,9 @@ import shutil
 import struct
 import tempfile
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from .protocol import Report, UploadIntent
 
 _INDEX = struct.Struct("<q")
 
@@ -76,12 +78,12 @@ class Journal:
         if self._index_fd is not None:
             os.pwrite(self._index_fd, _INDEX.pack(index), 0)
 
-    def append(self, msg: dict[str, Any]) -> None:
+    def append(self, msg: Union[Report, UploadIntent]) -> None:
         """A checkpoint message (or an upload's intent); one write, so whole or absent."""
-        line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        line = json.dumps(msg.wire(), separators=(",", ":")).encode() + b"\n"
         with self._lock:
             os.write(self._lines_fd, line)
-            self._lines.append((msg["index"], line))
+            self._lines.append((msg.index, line))
 
     def all_reached(self, index: int) -> None:
         """Every rank has reached report `index`: drop the lines before the newest one at or

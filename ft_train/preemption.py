@@ -24,10 +24,11 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 from distributed.diagnostics.plugin import WorkerPlugin
+
+from .protocol import Agreement, PreemptionInfo, decode_flags, encode_flags
 
 logger = logging.getLogger("ft_train")
 
@@ -37,6 +38,13 @@ TOPIC = "ft-train-preemption"
 _deadline: Optional[float] = None
 # The attempt whose ranks the driver asked to stop (they all leave at the same later report).
 _stop_for: Optional[str] = None
+# Is a rank's training function running in this process (`session.install` says)?
+_rank_running = False
+
+
+def rank_running(running: bool) -> None:
+    global _rank_running
+    _rank_running = running
 
 
 class GroupStop(BaseException):
@@ -55,14 +63,6 @@ def request_stop(attempt_id: str) -> None:
     """Run on a worker (Client.run): the ranks leave at a later report(), all at the same one."""
     global _stop_for
     _stop_for = attempt_id
-
-
-@dataclass(frozen=True)
-class PreemptionInfo:
-    """What `ft_train.get_preemption_info()` returns once the group has been given notice."""
-
-    ranks: tuple[int, ...]  # the ranks whose workers are leaving
-    deadline: float  # epoch seconds by which the first of them leaves
 
 
 def local_deadline() -> Optional[float]:
@@ -95,34 +95,20 @@ class PreemptionWatcher(WorkerPlugin):
         until the rank has left or the notice runs out (Dask waits for this teardown before it
         stops the worker). A rank still running then could never report again and would hold
         its peers in their collectives: end the process, so they see the closed connection."""
-        from . import session
-
-        if session._session is None:
+        if not _rank_running:
             return
         if _deadline is None:
             give_notice(time.time() + self.grace_s)
             worker.log_event(TOPIC, {"worker": worker.address, "deadline": _deadline})
-        while session._session is not None and time.time() < _deadline:
+        while _rank_running and time.time() < _deadline:
             await asyncio.sleep(0.02)
-        if session._session is not None:
+        if _rank_running:
             os._exit(0)
 
     async def _notice(self, worker, deadline: float) -> None:
         worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})
         await asyncio.sleep(max(0.0, deadline - time.time()))  # the grace period, then leave
         await worker.close(reason="preempted")
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What every rank learns at the same report(), from one all-reduce."""
-
-    preemption: Optional[PreemptionInfo]
-    stop: bool  # the driver asked the group to stop
-    any_finished: bool  # some rank has returned from its training function
-    all_finished: bool
-    every: int  # the next agreement starts this many reports later
-    same_index: bool  # every rank started it at the same report index
 
 
 class PendingAgreement:
@@ -138,19 +124,12 @@ class PendingAgreement:
         import torch
         import torch.distributed as dist
 
-        w = self.world_size = world_size
-        flags = [0.0] * (w + 7)  # a list first: a tensor's item assignments cost ~10 us each
-        flags[w] = float("-inf") if _deadline is None else -_deadline  # -earliest deadline
-        if _deadline is not None:
-            flags[rank] = 1.0
-        flags[w + 1] = 1.0 if _stop_for == attempt_id else 0.0
-        flags[w + 2] = 1.0 if finished else 0.0  # any rank finished
-        flags[w + 3] = 0.0 if finished else 1.0  # any rank not finished
-        flags[w + 4] = float(every)
-        flags[w + 5], flags[w + 6] = float(index), -float(index)  # the highest and the lowest
+        self.world_size = world_size
+        stop = _stop_for == attempt_id
+        flags = encode_flags(rank, world_size, _deadline, stop, finished, every, index)
         self.flags = torch.tensor(flags, dtype=torch.float64)
         self.work = None
-        if w > 1:
+        if world_size > 1:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.MAX
             # a ProcessGroup or a bare gloo backend (`rank._control_group`): both take this call
@@ -159,13 +138,7 @@ class PendingAgreement:
     def result(self) -> Agreement:
         if self.work is not None:
             self.work.wait()  # also raises the all-reduce's error (a peer lost)
-        w, flags = self.world_size, self.flags.tolist()
-        ranks = tuple(r for r in range(w) if flags[r])
-        info = PreemptionInfo(ranks, -flags[w]) if ranks else None
-        return Agreement(
-            info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3],
-            every=int(flags[w + 4]), same_index=flags[w + 5] == -flags[w + 6],
-        )
+        return decode_flags(self.flags.tolist(), self.world_size)
 
 
 def agree(

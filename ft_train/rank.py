@@ -27,6 +27,7 @@ from .errors import (
 )
 from .journal import Journal, run_key
 from .preemption import GroupStop
+from .protocol import Message, Report, Started
 from .session import FAIL_FLUSH_S, RankSpec, Session
 
 logger = logging.getLogger("ft_train")
@@ -92,9 +93,9 @@ class DaskSender:
         self._timer = PeriodicCallback(self._flush, interval_s * 1000)
         self.worker.loop.add_callback(self._timer.start)
 
-    def __call__(self, msg: dict) -> None:
-        self.queue.append(msg)  # thread-safe; also called by the upload thread
-        if "dir_name" in msg:
+    def __call__(self, msg: Message) -> None:
+        self.queue.append(msg.wire())  # thread-safe; also called by the upload thread
+        if isinstance(msg, Report) and msg.dir_name is not None:
             self.worker.loop.add_callback(self._flush)
 
     def _flush(self) -> None:  # on the worker's event loop
@@ -169,7 +170,7 @@ def _damaged(error: BaseException) -> str | None:
     return None
 
 
-def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict[str, Any]:
+def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> dict[str, Any]:
     """The Dask task of one rank. Returns a summary; raises RankFailure if the function raised."""
     import torch.distributed as dist
 
@@ -182,7 +183,7 @@ def run_rank(spec: RankSpec, send: Callable[[dict], None] | None = None) -> dict
         _init_process_group(spec)
         session.control = _control_group()
         journal.joined(spec.start_report_index)  # the driver counts it as started
-        session.send({"rank": spec.rank, "started": True})  # the hang watchdog starts here
+        session.send(Started(spec.rank))  # the hang watchdog starts here
         call_train_loop(fn, spec.config)
         session.finish()  # waits for the pending uploads
         return {"rank": spec.rank, "reports": session.report_index}

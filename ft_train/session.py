@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Union
 
 from . import preemption
@@ -49,6 +49,7 @@ from .checkpoint import Checkpoint
 from .checkpoint_manager import checkpoint_dir_name
 from .errors import SessionError, StorageError
 from .journal import Journal
+from .protocol import Message, PreemptionInfo, Report, UploadIntent
 from .storage import Storage
 from .uploads import Uploads
 
@@ -146,7 +147,7 @@ FAIL_FLUSH_S = 2.0
 
 class Session:
     def __init__(
-        self, spec: RankSpec, send: Callable[[dict], None], journal: Optional[Journal] = None
+        self, spec: RankSpec, send: Callable[[Message], None], journal: Optional[Journal] = None
     ):
         self.spec = spec
         self.send = send
@@ -154,7 +155,7 @@ class Session:
         self.report_index = spec.start_report_index
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
-        self.preemption: Optional[preemption.PreemptionInfo] = None
+        self.preemption: Optional[PreemptionInfo] = None
         self._agreement: Optional[preemption.PendingAgreement] = None  # not read yet
         self._agreement_index = 0  # the report index the latest agreement started at
         self._agreement_time: Optional[float] = None  # and when (time.monotonic)
@@ -185,29 +186,27 @@ class Session:
         if self._uploads is not None:
             self._uploads.check()  # an earlier asynchronous upload failed: this rank fails
         self.report_index += 1
-        msg: dict[str, Any] = {"rank": self.spec.rank, "index": self.report_index}
-        msg["metrics"] = metrics
+        s = self.spec
+        msg = Report(s.rank, self.report_index, metrics)
         if self.control is not None:
-            self._agree(msg)
+            msg = self._agree(msg)
         if checkpoint is not None:
-            s = self.spec
             dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
-            msg["dir_name"], remote = dir_name, f"{s.name}/{dir_name}"
+            msg, remote = replace(msg, dir_name=dir_name), f"{s.name}/{dir_name}"
             with checkpoint.as_directory() as local:
                 if checkpoint_upload_mode == "async":
-                    self._journal({"rank": s.rank, "index": self.report_index,
-                                   "dir_name": dir_name, "upload": "pending"})
+                    self._journal(UploadIntent(s.rank, self.report_index, dir_name))
                     self._uploads_started().submit(local, remote, msg)
                     self._returning()
                     return  # the message follows the upload (`_deliver`)
-                msg["files"] = s.storage.upload_dir(local, remote)
+                msg = replace(msg, files=s.storage.upload_dir(local, remote))
             self._journal(msg)
         self._returning()
         self.send(msg)
 
     # Crash ordering: what report() journals is on the node before it returns; what it sends
     # may still be queued in this process. The driver reads the journals after a failure.
-    def _journal(self, msg: dict[str, Any]) -> None:
+    def _journal(self, msg: Message) -> None:
         if self.journal is not None:
             self.journal.append(msg)
 
@@ -215,21 +214,22 @@ class Session:
         if self.journal is not None:
             self.journal.reached(self.report_index)
 
-    def _deliver(self, msg: dict[str, Any]) -> None:
+    def _deliver(self, msg: Report) -> None:
         """An asynchronous upload is stored (on the upload thread): its message, journaled."""
         self._journal(msg)
         self.send(msg)
 
-    def _agree(self, msg: dict[str, Any]) -> None:
+    def _agree(self, msg: Report) -> Report:
         """Read the agreement started at the previous report, if one was, and start the next
         one if this report is the one the group agreed on. Every rank starts and reads each
         agreement at the same report index, so all of them learn at the same report."""
         if self._agreement is not None:
-            self._read_agreement(msg)
+            msg = self._read_agreement(msg)
         if self.report_index >= self._next_agreement:
             self._start_agreement()
+        return msg
 
-    def _read_agreement(self, msg: dict[str, Any]) -> None:
+    def _read_agreement(self, msg: Report) -> Report:
         previous, self._agreement = self._agreement, None
         agreed = previous.result()
         if agreed.any_finished:
@@ -238,10 +238,11 @@ class Session:
             raise preemption.GroupStop()
         if agreed.preemption is not None and self.preemption is None:
             self.preemption = info = agreed.preemption
-            msg["preempted"], msg["deadline"] = list(info.ranks), info.deadline
+            msg = replace(msg, preempted=info.ranks, deadline=info.deadline)
         self._next_agreement = self._agreement_index + agreed.every
         if self.journal is not None:
             self.journal.all_reached(self._agreement_index)
+        return msg
 
     def _start_agreement(self) -> None:
         """Starting an agreement costs a rank ~0.3 ms on a busy CPU (the all-reduce's threads
@@ -322,6 +323,7 @@ def _current() -> Session:
 def install(session: Optional[Session]) -> None:
     global _session
     _session = session
+    preemption.rank_running(session is not None)  # a leaving worker waits for its rank
 
 
 def get_context() -> TrainContext:
@@ -334,7 +336,7 @@ def get_checkpoint() -> Optional[Checkpoint]:
     return _current().checkpoint()
 
 
-def get_preemption_info() -> Optional[preemption.PreemptionInfo]:
+def get_preemption_info() -> Optional[PreemptionInfo]:
     """Set from the report() at which the group learned that workers are leaving (the same
     report on every rank), else None. Save a checkpoint and report it before `deadline`."""
     return _current().preemption

@@ -37,10 +37,11 @@ import shutil
 import tempfile
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
 from .errors import SessionError, StorageError
+from .protocol import Report
 from .storage import Storage, UploadStopped, local_files
 
 MAX_IN_FLIGHT = 2  # one uploading, one waiting: absorbs a slow upload without holding the rank
@@ -54,7 +55,7 @@ _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES}
 class _Job:
     staged: str  # the snapshot, removed after the upload
     remote: str  # storage path of the checkpoint directory
-    msg: dict[str, Any]  # the report's message, sent once the files are stored
+    msg: Report  # the report's message, sent once the files are stored
     linked: dict[str, tuple[int, int]]  # hard-linked files: (size, mtime_ns) when snapshotted
 
 
@@ -64,7 +65,7 @@ class Uploads:
     def __init__(
         self,
         storage: Storage,
-        send: Callable[[dict], None],
+        send: Callable[[Report], None],
         max_in_flight: int = MAX_IN_FLIGHT,
         staging_root: Optional[str] = None,
     ):
@@ -84,13 +85,13 @@ class Uploads:
         if self._error is not None:
             raise self._error
 
-    def submit(self, local_dir: str, remote: str, msg: dict[str, Any]) -> None:
+    def submit(self, local_dir: str, remote: str, msg: Report) -> None:
         """Snapshot `local_dir` and queue its upload to `remote`; `msg` is sent once it is done."""
         self.check()
         with self._cond:  # the bound first: the snapshot is taken only when it may be queued
             self._cond.wait_for(lambda: len(self._jobs) < self.max_in_flight or self._error)
         self.check()
-        staged, linked = self._snapshot(local_dir, msg["index"])
+        staged, linked = self._snapshot(local_dir, msg.index)
         with self._cond:
             self._jobs.append(_Job(staged, remote, msg, linked))
             self._cond.notify_all()
@@ -166,10 +167,10 @@ class Uploads:
                 )
         if self._stop.is_set():
             return  # stored, but the group is going away: the driver would ignore the message
-        self.send({**job.msg, "files": files})
+        self.send(replace(job.msg, files=files))
 
     def _fail(self, job: _Job, e: BaseException) -> None:
-        index = job.msg["index"]
+        index = job.msg.index
         error = e if isinstance(e, StorageError) else StorageError(
             f"the asynchronous upload of report {index}'s checkpoint to "
             f"{self.storage.uri(job.remote)} failed: {type(e).__name__}: {e}"

@@ -2,12 +2,10 @@
 
 Each rank is a Dask task pinned to one worker (`workers=[addr]`, `allow_other_workers=False`,
 `pure=False`), so Dask never moves or silently re-runs a rank. The group reports everything that
-happens to it as events on one thread-safe queue, which the controller consumes:
-
-    ("report", attempt, msg)                a rank's report() message
-    ("rank_done", attempt, rank, future)    a rank's task ended (finished, erred or cancelled)
-    ("worker_lost", attempt, address, expected)     the scheduler removed a worker hosting a rank
-    ("preempt_notice", attempt, address, deadline)  a rank's worker was told to leave
+happens to it as events (`ft_train.protocol`) on one thread-safe queue, which the controller
+consumes: a rank's messages (Reported), a rank's task ended (RankEnded), the scheduler removed a
+worker hosting a rank (WorkerLost), a rank's worker was told to leave (PreemptNotice).
+`DaskCluster` is what the controller sees of the cluster (`controller.ports.Cluster`).
 
 Stopping a failed group kills the surviving ranks' worker processes at once (their nannies start
 fresh ones): a rank blocked in a collective whose peer died cannot be interrupted any other way,
@@ -26,37 +24,23 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Union
+from typing import Any, Callable, Collection
 
 import dask
-from distributed import Client
+from distributed import Client, KilledWorker
 from distributed.protocol import pickle
 
 from . import journal, preemption
+from .controller.ports import GroupPlan
 from .errors import WorkerStartupError
 from .journal import run_key
+from .policy.elastic import enough, should_grow
+from .protocol import GroupEvent, PreemptNotice, RankEnded, Reported, WorkerLost, message
 from .rank import free_port, run_rank
 from .session import RankSpec
 from .storage import Storage
 
 logger = logging.getLogger("ft_train")
-
-
-@dataclass
-class GroupPlan:
-    train_loop: Union[str, Callable]
-    config: dict[str, Any]
-    name: str
-    storage: Storage
-    min_workers: int
-    max_workers: int
-    use_gpu: bool
-    start_timeout_s: float
-    collective_timeout_s: float = 1800.0
-    agreement_interval_s: float = 0.0
-    elastic_wait_s: float = 0.0
-    warm: tuple[str, ...] = ()  # modules each worker imports beyond torch (ClusterConfig.preload)
 
 
 KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
@@ -107,18 +91,15 @@ def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> tuple[l
     workers that answer count: a frozen one given a rank would hold the others' rendezvous until
     the scheduler drops it (worker-ttl)."""
     start, warned = time.monotonic(), set()
-
-    def enough(n: int, waited: float) -> bool:
-        return n >= plan.max_workers or (n >= plan.min_workers and waited >= plan.elastic_wait_s)
-
+    sizes = (plan.min_workers, plan.max_workers, plan.elastic_wait_s)
     while True:
         usable = _rank_of(_usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude))
         waited = time.monotonic() - start
         ready, silent = usable, []
-        if enough(len(usable), waited):
+        if enough(len(usable), waited, *sizes):
             ports = free_ports(client, usable)
             ready = [a for a in usable if a in ports]
-            if enough(len(ready), waited):
+            if enough(len(ready), waited, *sizes):
                 return ready[: plan.max_workers], ports
             silent = [a for a in usable if a not in ports]
             if set(silent) - warned:
@@ -141,12 +122,12 @@ def more_workers_available(client: Client, plan: GroupPlan, current: list[str], 
     if len(current) >= plan.max_workers:
         return False
     usable = _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
-    return len(set(usable) - set(current)) > 0
+    return should_grow(len(current), plan.max_workers, len(set(usable) - set(current)))
 
 
 class WorkerGroup:
     def __init__(
-        self, client: Client, attempt: int, events: "queue.Queue[tuple]", storage_uri: str = ""
+        self, client: Client, attempt: int, events: "queue.Queue[GroupEvent]", storage_uri: str = ""
     ):
         self.client = client
         self.storage_uri = storage_uri  # the run's, which names its ranks' journals
@@ -213,12 +194,12 @@ class WorkerGroup:
                 if plan.use_gpu
                 else None,
             )
-            fut.add_done_callback(lambda f, r=rank: self.events.put(("rank_done", self.attempt, r, f)))
+            fut.add_done_callback(lambda f, r=rank: self.events.put(_ended(self.attempt, r, f)))
             self.futures.append(fut)
 
     def _on_reports(self, event: tuple) -> None:
         for msg in event[1]:  # a rank's batch (rank.DaskSender)
-            self.events.put(("report", self.attempt, msg))
+            self.events.put(Reported(self.attempt, message(msg)))
 
     def _on_scheduler_event(self, event: tuple) -> None:
         msg = event[1]
@@ -226,11 +207,11 @@ class WorkerGroup:
             if msg.get("worker") in self.addresses:
                 # expected: the worker was retired or closed on purpose (Client.retire_workers)
                 expected = bool(msg.get("expected"))
-                self.events.put(("worker_lost", self.attempt, msg["worker"], expected))
+                self.events.put(WorkerLost(self.attempt, msg["worker"], expected))
 
     def _on_preemption_notice(self, event: tuple) -> None:
         msg = event[1]
-        self.events.put(("preempt_notice", self.attempt, msg["worker"], msg["deadline"]))
+        self.events.put(PreemptNotice(self.attempt, msg["worker"], msg["deadline"]))
 
     def lost_kind(self, address: str) -> str:
         """A removed worker whose nanny still answers lost its process; otherwise its node."""
@@ -353,3 +334,16 @@ class WorkerGroup:
                 self.client.unsubscribe_topic(topic)
             except Exception:  # the client may be closing; nothing is left to unsubscribe from
                 pass
+
+
+def _ended(attempt: int, rank: int, future) -> RankEnded:
+    """A rank's task ended (on the client's callback thread): what the controller needs of it."""
+    if future.status == "cancelled":
+        return RankEnded(attempt, rank, cancelled=True)
+    if future.status == "finished":
+        try:
+            return RankEnded(attempt, rank, summary=future.result())
+        except Exception as e:  # its worker went before the result was fetched
+            return RankEnded(attempt, rank, error=e, worker_died=True)
+    error = future.exception()
+    return RankEnded(attempt, rank, error=error, worker_died=isinstance(error, KilledWorker))

@@ -1,7 +1,7 @@
 """What a training run shows in Prefect beyond its logs: events as it goes, artifacts at its end.
 
 Events, on the resource `ft-train.run.{name}` (related to the flow run that emits them), each as
-soon as the driver has recorded what it tells of. An automation can act on them: a notification
+soon as the driver has recorded what it tells of (controller callbacks). An automation can act on them: a notification
 on a failure, a run that starts when another finishes.
 
     ft-train.checkpoint.committed   a checkpoint is committed: step, metrics, path
@@ -25,8 +25,9 @@ from typing import Any, Optional
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
+from ft_train.controller import Callback
 from ft_train.driver import RunPlan
-from ft_train.run_state import RunState, RunStore
+from ft_train.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
 
 MAX_ROWS = 200  # checkpoints in the table; all of them are in `ft-train status` and the result
 
@@ -39,44 +40,31 @@ def artifact_key(name: str, what: str) -> str:
     return f"ft-train-{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}-{what}"
 
 
-class RunEvents:
-    """Emits an event for each checkpoint and failure the run state gains after this driver
-    started; `update()` after each attempt at a segment, `end()` once the run ended."""
+class RunEvents(Callback):
+    """Emits an event for each checkpoint the controller commits, each failure it records, and
+    the run's end (a controller callback)."""
 
     def __init__(self, plan: RunPlan):
         self.plan = plan
-        self.failures = len(plan.state.failures)
-        # Checkpoints told of: those this driver found, and each it commits. A damaged latest one
-        # dropped (the run restores from the one before) makes an older one latest again: no event.
-        self.told = {c.dir_name for c in plan.state.checkpoints}
 
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
         name = self.plan.run_config.name
         resource = {"prefect.resource.id": f"ft-train.run.{name}", "prefect.resource.name": name}
         emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
 
-    def _path(self, dir_name: Optional[str]) -> Optional[str]:
-        return None if dir_name is None else self.plan.storage.uri(f"{self.plan.state.name}/{dir_name}")
+    def on_failure(self, failure: FailureRecord) -> None:
+        self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
 
-    def update(self) -> None:
-        state = self.plan.state
-        for failure in state.failures[self.failures :]:
-            self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
-        self.failures = len(state.failures)
-        if state.latest is not None and state.latest not in self.told:
-            latest = state.latest_entry()
-            self._emit("checkpoint.committed", {
-                "step": state.report_index,
-                "metrics": latest.metrics if latest else {},
-                "path": self._path(state.latest),
-            })
-            self.told.add(state.latest)
+    def on_checkpoint_committed(self, entry: Optional[CheckpointEntry], state: RunState) -> None:
+        self._emit("checkpoint.committed", {
+            "step": state.report_index,
+            "metrics": entry.metrics if entry else {},
+            "path": self.plan.storage.uri(f"{state.name}/{state.latest}"),
+        })
 
-    def end(self) -> None:
-        self.update()
-        state = self.plan.state
+    def on_run_end(self, state: RunState) -> None:
         if state.status not in ("finished", "failed"):
-            return
+            return  # interrupted: the next flow run goes on with it
         payload = {
             "status": state.status,
             "step": state.report_index,

@@ -23,7 +23,7 @@ from ft_train.driver import prepare_run as _prepare_run
 from ft_train.errors import WorkerGroupError
 from ft_train.lease import LeaseDoc
 
-from .publish import RunEvents, publish_artifacts
+from .publish import publish_artifacts
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
@@ -90,22 +90,18 @@ def _retry_group_failures(task, task_run, state) -> bool:
     cache_policy=NO_CACHE,
     retry_condition_fn=_retry_group_failures,
 )
-def train_segment(controller: Controller, segment: int, events: RunEvents) -> Segment:
+def train_segment(controller: Controller, segment: int) -> Segment:
     """Train until the next committed checkpoint; raise on a group failure (a retry restarts the
-    group from the latest committed checkpoint). Each attempt's checkpoint or failure is sent as
-    an event at once."""
+    group from the latest committed checkpoint)."""
     controller.log = get_run_logger().info
-    try:
-        return controller.run_segment()
-    finally:
-        events.update()
+    return controller.run_segment()
 
 
 @task(name="finalize", cache_policy=NO_CACHE)
-def finalize(plan: RunPlan, events: Optional[RunEvents] = None) -> ft_train.TrainResult:
-    """The run's result, its end as an event (`events`: a run this flow run trained), and its
-    checkpoints, failures and summary as artifacts of the flow run. Also called for a run that
-    failed, before its error is raised: what cannot be published is logged, not raised."""
+def finalize(plan: RunPlan) -> ft_train.TrainResult:
+    """The run's result, and its checkpoints, failures and summary as artifacts of the flow
+    run. Also called for a run that failed, before its error is raised: what cannot be
+    published is logged, not raised."""
     result = plan.result()
     log = get_run_logger()
     log.info(
@@ -113,8 +109,6 @@ def finalize(plan: RunPlan, events: Optional[RunEvents] = None) -> ft_train.Trai
         f"kept, {len(result.failures)} failures, at {result.path}"
     )
     try:
-        if events is not None:
-            events.end()
         publish_artifacts(plan)
     except Exception as e:  # the run's own outcome stands; only the UI loses
         log.warning(f"could not publish the run's artifacts ({type(e).__name__}: {e})")

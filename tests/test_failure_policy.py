@@ -1,8 +1,8 @@
 """The failure policy's decision and the error that ends a run, on run states built in memory."""
 
-from ft_train import failure_policy
+from ft_train.policy import failure as failure_policy
 from ft_train.config import FailureConfig
-from ft_train.failure_policy import Decision
+from ft_train.policy.failure import Decision
 from ft_train.run_state import FailureRecord, RunState
 
 

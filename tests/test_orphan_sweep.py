@@ -130,9 +130,9 @@ def test_driver_start_never_removes_a_sealed_checkpoint(storage, tmp_path):
                             tmp_path)
         commit_round(manager, plan.state, msgs, i, 0)
     old_orphan = report_round(plan.storage, name, 2, rank_files("x")[:1], {}, 1, ATTEMPT_1,
-                              tmp_path)[0]["dir_name"]
+                              tmp_path)[0].dir_name
     new_orphan = report_round(plan.storage, name, 6, rank_files("y")[:1], {}, 1, ATTEMPT_1,
-                              tmp_path)[0]["dir_name"]
+                              tmp_path)[0].dir_name
     plan.release()  # the driver failed: it ended without sweeping
     committed = [checkpoint_dir_name(i, 0, ATTEMPT_0) for i in range(1, 6)]
     assert load_state(storage, name).sealed_chunks == 2

@@ -117,7 +117,7 @@ def test_upload_dir_stores_every_file_with_the_manifest_checksums(storage, tmp_p
 
 def test_async_report_returns_before_the_upload_and_its_message_follows_it(storage, tmp_path):
     st = GatedStorage(storage.path, storage.options)
-    msgs: list[dict] = []
+    msgs: list = []
     session = Session(spec(st), msgs.append)
     staging = str(tmp_path / "staging")
     session._uploads = Uploads(st, msgs.append, staging_root=staging)
@@ -134,8 +134,8 @@ def test_async_report_returns_before_the_upload_and_its_message_follows_it(stora
     session.finish()  # waits for the pending upload
     (msg,) = msgs
     dir_name = checkpoint_dir_name(1, 0, ATTEMPT_ID)
-    assert msg == {"rank": 0, "index": 1, "metrics": {"loss": 0.5}, "dir_name": dir_name,
-                   "files": {rel: digest(data) for rel, data in files.items()}}
+    assert msg.wire() == {"rank": 0, "index": 1, "metrics": {"loss": 0.5}, "dir_name": dir_name,
+                          "files": {rel: digest(data) for rel, data in files.items()}}
     for rel, data in files.items():
         assert st.read_bytes(f"run/{dir_name}/{rel}") == data
     assert staged_dirs(staging) == []  # the snapshot went once it was uploaded
@@ -145,7 +145,7 @@ def test_async_report_returns_before_the_upload_and_its_message_follows_it(stora
 
 def test_async_uploads_are_bounded_and_sent_in_order(tmp_path):
     st = GatedStorage(str(tmp_path / "runs"))
-    msgs: list[dict] = []
+    msgs: list = []
     session = Session(spec(st), msgs.append)
     session._uploads = Uploads(st, msgs.append, max_in_flight=2,
                                staging_root=str(tmp_path / "staging"))
@@ -165,8 +165,8 @@ def test_async_uploads_are_bounded_and_sent_in_order(tmp_path):
     third.join(timeout=30)
     assert not third.is_alive()
     session.finish()
-    assert [m["index"] for m in msgs] == [1, 2, 3]
-    assert [m["files"]["w.pt"] for m in msgs] == [digest(b"w%d" % i) for i in (1, 2, 3)]
+    assert [m.index for m in msgs] == [1, 2, 3]
+    assert [m.files["w.pt"] for m in msgs] == [digest(b"w%d" % i) for i in (1, 2, 3)]
     session.close()
 
 
@@ -179,7 +179,7 @@ def test_a_stopped_group_flushes_pending_uploads_and_a_failed_one_drops_them(tmp
     def pending(tag: str):
         """A session with one asynchronous upload held in flight."""
         st = GatedStorage(str(tmp_path / f"runs-{tag}"))
-        msgs: list[dict] = []
+        msgs: list = []
         session = Session(spec(st), msgs.append)
         staging = str(tmp_path / f"staging-{tag}")
         session._uploads = GateOpensOnFlush(st, msgs.append, staging_root=staging)
@@ -191,7 +191,7 @@ def test_a_stopped_group_flushes_pending_uploads_and_a_failed_one_drops_them(tmp
     # GroupStop (a resize): the pending upload may finish, so its round can still be committed
     session, st, msgs, staging = pending("stop")
     session.stopped()
-    assert [m["index"] for m in msgs] == [1] and "files" in msgs[0]
+    assert [m.index for m in msgs] == [1] and msgs[0].files
     assert os.listdir(staging) == []
 
     # a failed group: the pending upload is dropped, never reported, its snapshot removed
@@ -291,7 +291,7 @@ def test_staging_dir_is_in_memory_when_the_checkpoint_fits_and_is_removed_after(
 
 def test_a_checkpoint_in_the_staging_dir_uploads_async_from_a_hard_linked_snapshot(storage):
     st = GatedStorage(storage.path, storage.options)
-    msgs: list[dict] = []
+    msgs: list = []
     session = Session(spec(st), msgs.append)
     data = os.urandom(2**20)
     with ft_train.staging_dir(len(data)) as d:
@@ -303,7 +303,7 @@ def test_a_checkpoint_in_the_staging_dir_uploads_async_from_a_hard_linked_snapsh
     st.gate.set()
     session.finish()
     dir_name = checkpoint_dir_name(1, 0, ATTEMPT_ID)
-    assert msgs[0]["files"] == {"model.pt": digest(data)}
+    assert msgs[0].files == {"model.pt": digest(data)}
     assert st.read_bytes(f"run/{dir_name}/model.pt") == data
     session.close()
 
@@ -333,7 +333,7 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    msgs: list[dict] = []
+    msgs: list = []
     paced = script.endswith("_paced")  # a report every ~5 ms, agreements every ~50 ms of them
     rank_spec = dataclasses.replace(
         spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=0.05 if paced else 0.0
@@ -382,7 +382,7 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
         seen["stopped_at"] = session.report_index
     except ft_train.SessionError as e:
         seen["error"] = str(e)
-    seen["preempted_msgs"] = [m["index"] for m in msgs if "preempted" in m]
+    seen["preempted_msgs"] = [m.index for m in msgs if m.preempted is not None]
     seen["agreements"] = session.agreements
     out.put(seen)
     dist.destroy_process_group()

@@ -258,7 +258,7 @@ def test_round_is_not_committed_until_every_rank_has_uploaded(storage, tmp_path)
 def test_checkpoint_without_manifest_is_not_restorable(storage, tmp_path):
     storage_ = fresh(storage)
     msgs = report_round(storage_, "uncommitted", 1, rank_files("x"), {}, 0, ATTEMPT_0, tmp_path)
-    ckpt = Checkpoint(storage_.uri(f"uncommitted/{msgs[0]['dir_name']}"), storage.options)
+    ckpt = Checkpoint(storage_.uri(f"uncommitted/{msgs[0].dir_name}"), storage.options)
     with pytest.raises(StorageError, match="never committed"):
         ckpt.download_verified(str(tmp_path / "restore"))
 
@@ -333,7 +333,7 @@ def test_checkpoint_directory_never_mixes_attempts(storage, tmp_path):
     manager = CheckpointManager(storage_, RunStore(storage_, name), cfg)
     dir_b, _ = commit_round(manager, state, msgs_b, 5, attempt=1)
 
-    dir_a = msgs_a[0]["dir_name"]
+    dir_a = msgs_a[0].dir_name
     assert dir_a != dir_b
     assert stored_files(storage, f"{name}/{dir_b}") == set(merged(files_b)) | {MANIFEST}
     assert stored_files(storage, f"{name}/{dir_a}") == set(merged(files_a))
@@ -671,7 +671,7 @@ def test_collect_orphans_removes_uncommitted_directories_only(storage, tmp_path)
     committed, _ = save(storage_, name, state, cfg, 1, rank_files("c1"), tmp_path)
     # Leftovers of a crashed attempt: uploads without a manifest...
     msgs = report_round(storage_, name, 2, rank_files("lost"), {}, 1, ATTEMPT_1, tmp_path)
-    uploaded_only = msgs[0]["dir_name"]
+    uploaded_only = msgs[0].dir_name
     # ...and a manifest written by a driver that died before the run state referenced it.
     with_manifest = checkpoint_dir_name(2, 2, "77" * 16)
     storage_.write_atomic(f"{name}/{with_manifest}/{MANIFEST}", b"{}")

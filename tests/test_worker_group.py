@@ -6,6 +6,7 @@ import pytest
 import ft_train
 from ft_train.cluster import dask_client
 from ft_train.controller.rounds import ReportRounds
+from ft_train.protocol import message
 from ft_train.rank import free_port, run_rank
 from ft_train.session import RankSpec
 from ft_train.storage import Storage
@@ -30,14 +31,14 @@ def test_report_does_not_wait_for_the_driver(tmp_path):
 
 def test_rounds_complete_in_order_once_every_rank_reported():
     rounds = ReportRounds(world_size=2, last_index=4)
-    rounds.add({"rank": 1, "index": 5, "metrics": {"r": 1},
-                "dir_name": "checkpoint_000005-a0-x", "files": {"b": {}}})
-    rounds.add({"rank": 1, "index": 6, "metrics": {"r": 1}})
+    rounds.add(message({"rank": 1, "index": 5, "metrics": {"r": 1},
+                "dir_name": "checkpoint_000005-a0-x", "files": {"b": {}}}))
+    rounds.add(message({"rank": 1, "index": 6, "metrics": {"r": 1}}))
     assert rounds.pop_complete() is None  # rank 0 has not reported round 5 yet
-    rounds.add({"rank": 0, "index": 6, "metrics": {"r": 0}})
+    rounds.add(message({"rank": 0, "index": 6, "metrics": {"r": 0}}))
     assert rounds.pop_complete() is None  # round 6 waits for round 5
-    rounds.add({"rank": 0, "index": 5, "metrics": {"r": 0},
-                "dir_name": "checkpoint_000005-a0-x", "files": {"a": {}}})
+    rounds.add(message({"rank": 0, "index": 5, "metrics": {"r": 0},
+                "dir_name": "checkpoint_000005-a0-x", "files": {"a": {}}}))
     five = rounds.pop_complete()
     assert (five.index, five.metrics, sorted(five.files)) == (5, {"r": 0}, ["a", "b"])
     six = rounds.pop_complete()
@@ -46,7 +47,7 @@ def test_rounds_complete_in_order_once_every_rank_reported():
 
 
 def test_the_hung_rank_is_the_one_furthest_behind_even_if_never_heard_from():
-    from ft_train.controller.controller import hung_rank
+    from ft_train.policy.attribution import hung_rank
 
     # rank 1 reported up to 10 and then timed out waiting for a peer (it is `waiting`); rank 0
     # froze before its first batch reached the driver, so nothing at all came from it
@@ -62,7 +63,8 @@ def test_a_group_that_cannot_start_says_how_many_workers_the_run_lost_before(tmp
     # One worker, and it is one the run lost or killed before (a worker without a nanny does
     # not come back): the error names them, not only the workers that were there.
     from ft_train.errors import WorkerStartupError
-    from ft_train.worker_group import GroupPlan, await_workers
+    from ft_train.controller.ports import GroupPlan
+    from ft_train.worker_group import await_workers
 
     with dask_client(ft_train.ClusterConfig(n_workers=1), ft_train.ScalingConfig()) as client:
         addr = next(iter(client.scheduler_info()["workers"]))

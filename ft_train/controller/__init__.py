@@ -1,6 +1,11 @@
 """The driver-side controller: a state machine over worker-group attempts."""
 
+from .callbacks import Callback
 from .controller import Controller, Segment
-from .state import Errored, Finished, Idle, Running
+from .ports import Cluster, Group, GroupPlan
+from .state import Draining, Errored, Finished, Preempting, Resizing, Restarting, Running
 
-__all__ = ["Controller", "Segment", "Idle", "Running", "Finished", "Errored"]
+__all__ = [
+    "Callback", "Cluster", "Controller", "Draining", "Errored", "Finished", "Group", "GroupPlan",
+    "Preempting", "Resizing", "Restarting", "Running", "Segment",
+]

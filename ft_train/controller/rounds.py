@@ -1,7 +1,8 @@
 """Report rounds: the k-th report() of every rank, consolidated into one.
 
 A round is complete when every rank's k-th report has arrived; it carries rank 0's metrics and
-the files of every rank that attached a checkpoint. Rounds complete in index order.
+the files of every rank that attached a checkpoint. Rounds complete in index order. Once a group
+has stopped, `recover` finds the newest checkpoint round every rank reached from their journals.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..protocol import FileInfo, Report, UploadIntent, message
+
 
 @dataclass
 class Round:
     index: int
     metrics: dict[str, Any]
     dir_name: Optional[str] = None
-    files: dict[str, Any] = field(default_factory=dict)
-    preempted: Optional[list[int]] = None  # the group learned at this round: these ranks leave
+    files: dict[str, FileInfo] = field(default_factory=dict)
+    preempted: Optional[tuple[int, ...]] = None  # the group learned at this round: these leave
     deadline: Optional[float] = None
 
 
@@ -24,13 +27,23 @@ class ReportRounds:
     def __init__(self, world_size: int, last_index: int):
         self.world_size = world_size
         self.last_index = last_index  # the last round handed out
-        self.pending: dict[int, dict[int, dict]] = {}
+        self.pending: dict[int, dict[int, Report]] = {}
         self.received: dict[int, int] = {}  # rank -> highest index received
 
-    def add(self, msg: dict) -> None:
-        self.received[msg["rank"]] = max(self.received.get(msg["rank"], 0), msg["index"])
-        if msg["index"] > self.last_index:  # else a journal's copy of a round handed out
-            self.pending.setdefault(msg["index"], {})[msg["rank"]] = msg
+    def add(self, msg: Report) -> None:
+        self.received[msg.rank] = max(self.received.get(msg.rank, 0), msg.index)
+        if msg.index > self.last_index:  # else a journal's copy of a round handed out
+            self.pending.setdefault(msg.index, {})[msg.rank] = msg
+
+    def pop_complete(self) -> Optional[Round]:
+        """The next round if every rank has reported it, else None."""
+        nxt = self.last_index + 1
+        msgs = self.pending.get(nxt)
+        if msgs is None or len(msgs) < self.world_size:
+            return None
+        del self.pending[nxt]
+        self.last_index = nxt
+        return _consolidate(nxt, msgs)
 
     def recover(self, journals: dict[int, dict]) -> Optional[Round]:
         """Once the group has stopped: the newest checkpoint round that every rank reached,
@@ -46,15 +59,15 @@ class ReportRounds:
         for rank, journal in journals.items():
             if "index" in journal:
                 self.received[rank] = max(self.received.get(rank, 0), journal["index"])
-            for msg in journal["messages"]:
-                if msg.get("upload") == "pending":
-                    intents.setdefault(msg["index"], set()).add(rank)
-                else:
+            for msg in map(message, journal["messages"]):
+                if isinstance(msg, UploadIntent):
+                    intents.setdefault(msg.index, set()).add(rank)
+                elif isinstance(msg, Report):
                     self.add(msg)
         reached = min(self.received.get(r, self.last_index) for r in range(self.world_size))
         for index in sorted(self.pending, reverse=True):
             msgs = self.pending[index]
-            if index > reached or not any(m.get("dir_name") for m in msgs.values()):
+            if index > reached or not any(m.dir_name for m in msgs.values()):
                 continue
             known = all(r in msgs or r in journals for r in range(self.world_size))
             if known and intents.get(index, set()) <= set(msgs):
@@ -63,25 +76,15 @@ class ReportRounds:
                 return _consolidate(index, msgs)
         return None
 
-    def pop_complete(self) -> Optional[Round]:
-        """The next round if every rank has reported it, else None."""
-        nxt = self.last_index + 1
-        msgs = self.pending.get(nxt)
-        if msgs is None or len(msgs) < self.world_size:
-            return None
-        del self.pending[nxt]
-        self.last_index = nxt
-        return _consolidate(nxt, msgs)
 
-
-def _consolidate(index: int, msgs: dict[int, dict]) -> Round:
+def _consolidate(index: int, msgs: dict[int, Report]) -> Round:
     """One round from its ranks' messages: rank 0's metrics (the lowest rank's, when a
     recovered round lacks rank 0's), every rank's files."""
     first = msgs[min(msgs)]
-    rnd = Round(index, first["metrics"], preempted=first.get("preempted"), deadline=first.get("deadline"))
+    rnd = Round(index, first.metrics, preempted=first.preempted, deadline=first.deadline)
     for rank in sorted(msgs):
         m = msgs[rank]
-        if m.get("dir_name"):
-            rnd.dir_name = m["dir_name"]
-            rnd.files.update(m["files"])
+        if m.dir_name:
+            rnd.dir_name = m.dir_name
+            rnd.files.update(m.files)
     return rnd

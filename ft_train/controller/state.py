@@ -1,32 +1,90 @@
 """Controller states. Each is a small class carrying its data; two are terminal.
 
-    Idle ──start──▶ Running ──all ranks done──▶ Finished
-     ▲                │
-     └──RETRY─────────┤ a rank failed: stop the group, record, ask the failure policy
-                      └──RAISE──▶ Errored
+    Restarting ──start──▶ Running ──every rank returned──▶ Draining ──last reports──▶ Finished
+        ▲                 │  ▲ │
+        │   (a checkpoint │  │ └─notice─▶ Preempting ──JIT checkpoint, or deadline──┐
+        │  with workers   ▼  │                                                      │
+        │  to spare)   Resizing ──ranks left at the agreed report──▶ (Restarting)   │
+        ├──RETRY──── a rank failed: stop the group, record, ask the failure policy ◀┘
+        └──RAISE──▶ Errored
+
+Running, Resizing, Preempting and Draining share the running group's `Attempt`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
-from ..errors import TrainingFailedError
+from ..errors import FtTrainError, RankFailure
 from ..run_state import FailureRecord
-from ..worker_group import WorkerGroup
+from .ports import Group
+from .rounds import ReportRounds
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A rank that failed because it lost a peer, judged at `deadline` unless the cause shows."""
+
+    rank: int
+    failure: RankFailure
+    deadline: float  # time.monotonic()
 
 
 @dataclass
-class Idle:
-    """No group runs; the next segment starts one from the latest committed checkpoint."""
+class Attempt:
+    """One group's life: its ranks, their rounds, which returned, when each was last heard."""
 
-    after_failure: Optional[FailureRecord] = None
+    group: Group
+    rounds: ReportRounds
+    done: dict[int, dict] = field(default_factory=dict)  # rank -> its task's summary
+    progress: dict[int, float] = field(default_factory=dict)  # rank -> last heard (monotonic)
+    suspect: Optional[Suspect] = None
+
+
+@dataclass
+class Restarting:
+    """No group runs; the next step starts one from the latest committed checkpoint.
+    `failure`: what ended the last group (None at the start, and after a resize)."""
+
+    failure: Optional[FailureRecord] = None
     is_terminal = False
 
 
 @dataclass
 class Running:
-    group: WorkerGroup
+    attempt: Attempt
+    is_terminal = False
+
+
+@dataclass
+class Resizing:
+    """The ranks were asked to leave at a later report (all at the same one), to grow."""
+
+    attempt: Attempt
+    is_terminal = False
+
+
+@dataclass
+class Preempting:
+    """Workers of the group were told to leave by `deadline` (epoch seconds); `boundary`: the
+    ranks have learned it at a report, and save a just-in-time checkpoint."""
+
+    attempt: Attempt
+    workers: set[str]
+    deadline: float
+    boundary: bool = False
+    is_terminal = False
+
+
+@dataclass
+class Draining:
+    """Every rank returned: waiting (until `deadline`, monotonic) for its last `expected`
+    reports still in flight."""
+
+    attempt: Attempt
+    expected: int
+    deadline: float
     is_terminal = False
 
 
@@ -37,14 +95,9 @@ class Finished:
 
 @dataclass
 class Errored:
-    error: TrainingFailedError
+    error: FtTrainError
     is_terminal = True
 
 
-@dataclass
-class Preempting:
-    """Beside the state: workers of the running group have been told to leave."""
-
-    workers: set[str]
-    deadline: float  # epoch seconds
-    boundary: bool = False  # the ranks have learned of it at a report()
+GroupState = Union[Running, Resizing, Preempting]
+State = Union[Restarting, Running, Resizing, Preempting, Draining, Finished, Errored]

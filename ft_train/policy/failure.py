@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import enum
 
-from .config import FailureConfig
-from .errors import TrainingFailedError
-from .run_state import FailureRecord, RunState
+from ..config import FailureConfig
+from ..errors import TrainingFailedError
+from ..run_state import FailureRecord, RunState
 
 
 class Decision(enum.Enum):

@@ -1,0 +1,76 @@
+"""What the controller needs from the cluster, as narrow interfaces: a test drives the
+controller with a fake cluster and fake groups (tests/fake_cluster.py), one transition at a time,
+without Dask; `ft_train.worker_group.DaskCluster` is the real one."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Optional, Protocol, Union
+
+from ..protocol import GroupEvent
+from ..storage import Storage
+
+
+@dataclass
+class GroupPlan:
+    """What every worker group of a run is started with."""
+
+    train_loop: Union[str, Callable]
+    config: dict[str, Any]
+    name: str
+    storage: Storage
+    min_workers: int
+    max_workers: int
+    use_gpu: bool
+    start_timeout_s: float
+    collective_timeout_s: float = 1800.0
+    agreement_interval_s: float = 0.0
+    elastic_wait_s: float = 0.0
+    warm: tuple[str, ...] = ()  # modules each worker imports beyond torch (ClusterConfig.preload)
+
+
+class Group(Protocol):
+    """One attempt's ranks. Everything that happens to them arrives on the controller's queue
+    as a `protocol.GroupEvent` of this attempt."""
+
+    attempt: int
+    attempt_id: str
+    addresses: list[str]  # the workers, in rank order
+
+    def start(self, plan: GroupPlan, checkpoint_dir: Optional[str], start_report_index: int,
+              exclude: set[str]) -> None: ...
+
+    def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
+        """Stop every rank; the workers killed or lost (not to be used again)."""
+        ...
+
+    def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]: ...
+
+    def request_stop(self) -> None: ...
+
+    def give_notice(self, address: str, deadline: float) -> None: ...
+
+    def release(self) -> None: ...
+
+    def lost_kind(self, address: str) -> str:
+        """"process_death" or "node_loss", for a worker the scheduler let go."""
+        ...
+
+
+class Cluster(Protocol):
+    def new_group(self, attempt: int, events: "queue.Queue[GroupEvent]", run_uri: str) -> Group: ...
+
+    def alive(self) -> set[str]:
+        """The workers the scheduler lists now."""
+        ...
+
+    def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool: ...
+
+    def watch_preemption(self, grace_s: float, wait_s: float) -> None:
+        """Give every worker (and those that join later) its preemption watcher."""
+        ...
+
+    def warm(self, modules: tuple[str, ...]) -> None:
+        """Have every worker import `modules` (in the background)."""
+        ...
