@@ -1,0 +1,409 @@
+"""The controller's transitions, one at a time, with a fake cluster (tests/fake_cluster.py): no
+Dask, no torch. The run state, its store and the checkpoint manager are the real ones, on a
+local directory. The test plays the ranks by putting their events on the controller's queue."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ft_train
+from ft_train.checkpoint_manager import CheckpointManager
+from ft_train.controller import (
+    Callback, Controller, Draining, Errored, Finished, GroupPlan, Preempting, Resizing,
+    Restarting, Running,
+)
+from ft_train.controller import group_events
+from ft_train.errors import RunLockedError, SessionError, TrainingFailedError, WorkerGroupError
+from ft_train.run_state import RunState, RunStore
+from ft_train.storage import Storage
+from tests.fake_cluster import FakeCluster
+
+pytestmark = pytest.mark.timeout(10)  # a step with no event to wait for would block
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+
+    def on_attempt_started(self, attempt):
+        self.calls.append(("attempt", attempt.attempt))
+
+    def on_checkpoint_committed(self, entry, state):
+        self.calls.append(("checkpoint", entry.report_index))
+
+    def on_failure(self, failure):
+        self.calls.append(("failure", failure.kind))
+
+    def on_run_end(self, state):
+        self.calls.append(("end", state.status))
+
+
+@pytest.fixture(autouse=True)
+def quick_judgements(monkeypatch):
+    """The controller's waits, at test speed (the knobs the real runs use are seconds)."""
+    monkeypatch.setattr(group_events, "COLLATERAL_WAIT_S", 0.02)
+    monkeypatch.setattr(group_events, "NOTICE_SLACK_S", 0.0)
+
+
+@pytest.fixture
+def make(tmp_path):
+    def make(workers=3, ranks=2, **failure) -> tuple[Controller, FakeCluster, Recorder]:
+        storage = Storage(str(tmp_path / "runs"))
+        store = RunStore(storage, "run")
+        state = RunState(name="run")
+        cfg = ft_train.CheckpointConfig(**failure.pop("checkpoint", {}))
+        plan = GroupPlan(train_loop="x:y", config={}, name="run", storage=storage,
+                         min_workers=min(ranks, failure.pop("min_workers", ranks)),
+                         max_workers=ranks, use_gpu=False, start_timeout_s=1.0)
+        cluster, recorder = FakeCluster(workers), Recorder()
+        failure.setdefault("hang_timeout_s", None)
+        ctl = Controller(cluster, plan, state, store, CheckpointManager(storage, store, cfg),
+                         ft_train.FailureConfig(**failure), log=lambda msg: None,
+                         callbacks=[recorder])
+        return ctl, cluster, recorder
+    return make
+
+
+def go(ctl: Controller, steps: int = 1):
+    """Make `steps` transitions; the last state."""
+    for _ in range(steps):
+        ctl._set_state(ctl.step())
+    return ctl.current
+
+
+def started(ctl: Controller):
+    go(ctl)
+    assert isinstance(ctl.current, Running)
+    return ctl.cluster.group
+
+
+# -- starting, rounds, commits, finishing ------------------------------------------------------
+
+
+def test_a_start_records_the_attempt_and_watches_for_preemption(make):
+    ctl, cluster, rec = make()
+    group = started(ctl)
+    assert group.addresses == cluster.workers[:2] and group.started_from == (None, 0)
+    assert ctl.state.status == "running" and ctl.state.attempts[0].world_size == 2
+    assert cluster.watching == [ctl.failure_config.preemption_grace_s]
+    assert rec.calls == [("attempt", 0)]
+
+
+def test_when_every_rank_has_joined_the_workers_warm_up(make):
+    ctl, cluster, _ = make()
+    started(ctl).joined()
+    go(ctl, 2)
+    assert cluster.warmed and ctl.start_failures == 0
+
+
+def test_a_round_completes_only_once_every_rank_reported_it(make):
+    ctl, _, _ = make()
+    group = started(ctl)
+    group.report(1, ranks=[0], checkpoint=True)
+    go(ctl)
+    assert ctl.state.latest is None
+    group.report(1, ranks=[1], checkpoint=True)
+    go(ctl, 2)  # the report, then the round
+    assert ctl.state.latest.startswith("checkpoint_000001") and ctl.state.report_index == 1
+
+
+def test_a_committed_checkpoint_ends_the_segment(make):
+    ctl, _, rec = make()
+    started(ctl).report(1).report(2, checkpoint=True, loss=0.5)
+    segment = ctl.run_segment()
+    assert (segment.kind, segment.report_index, segment.metrics["loss"]) == ("checkpoint", 2, 0.5)
+    assert ("checkpoint", 2) in rec.calls
+
+
+def test_ranks_that_return_alike_drain_their_last_reports_then_finish(make):
+    ctl, _, rec = make()
+    group = started(ctl).report(1, checkpoint=True)
+    group.returned(reports=2)
+    assert ctl.run_segment().kind == "checkpoint"
+    go(ctl, 2)  # the two returns
+    assert isinstance(go(ctl), Draining)
+    group.report(2)
+    go(ctl, 2)  # the two reports arrive
+    assert isinstance(go(ctl, 2), Finished)  # the round, then the end
+    assert ctl.state.status == "finished" and group.released
+    assert rec.calls[-1] == ("end", "finished")
+
+
+def test_ranks_that_reported_unequally_end_the_run_at_once(make):
+    ctl, _, _ = make(max_failures=5)
+    group = started(ctl)
+    group.returned(reports=2, ranks=[0]).returned(reports=3, ranks=[1])
+    with pytest.raises(SessionError, match="different number of times"):
+        ctl.run_segment()
+    assert ctl.state.status == "failed" and not ctl.state.failures
+
+
+def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make, monkeypatch):
+    from ft_train.controller import controller as module
+
+    monkeypatch.setattr(module, "REPORT_DRAIN_TIMEOUT_S", 0.05)
+    ctl, _, _ = make(max_failures=1)
+    started(ctl).returned(reports=3)
+    with pytest.raises(WorkerGroupError, match="never reached the driver"):
+        ctl.run_segment()
+    assert ctl.state.failures[-1].kind == "exception"
+
+
+# -- failures and what they are charged to ------------------------------------------------------
+
+
+def test_a_rank_that_raised_is_charged_and_its_worker_killed_first(make):
+    ctl, _, rec = make(max_failures=1)
+    group = started(ctl).raised(1, "ValueError: boom", step=3)
+    with pytest.raises(WorkerGroupError, match="rank 1 failed"):
+        ctl.run_segment()
+    assert isinstance(ctl.current, Restarting)
+    (failure,) = ctl.state.failures
+    assert (failure.kind, failure.rank, failure.step, failure.charged) == ("exception", 1, 3, True)
+    assert group.killed == {group.addresses[1]} and group.stopped
+    assert ("failure", "exception") in rec.calls
+
+
+def test_a_restart_after_a_failure_starts_from_the_latest_checkpoint(make):
+    ctl, cluster, _ = make(max_failures=1)
+    group = started(ctl).report(1, checkpoint=True)
+    ctl.run_segment()
+    group.raised(0, "boom", step=1)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    nxt = started(ctl)
+    assert nxt.attempt == 1 and nxt.started_from == (ctl.state.latest, 1)
+    assert group.addresses[0] not in nxt.addresses  # the killed worker is not used again
+
+
+def test_a_broken_contract_ends_the_run_without_a_retry(make):
+    ctl, _, _ = make(max_failures=3)
+    started(ctl).raised(0, "SessionError: metrics must be JSON-serialisable", step=1, fatal=True)
+    with pytest.raises(SessionError, match="JSON"):
+        ctl.run_segment()
+    assert ctl.state.status == "failed" and ctl.state.charged_failures == 0
+
+
+def test_a_peer_that_lost_its_connection_waits_for_the_cause(make):
+    ctl, cluster, _ = make(max_failures=1)
+    group = started(ctl).raised(0, "RuntimeError: Connection closed by peer", step=4)
+    assert isinstance(go(ctl), Running) and ctl.current.attempt.suspect.rank == 0
+    cluster.lost_kinds[group.addresses[1]] = "process_death"
+    group.lost(1)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    failure = ctl.state.failures[-1]
+    assert (failure.kind, failure.rank) == ("process_death", 1)
+
+
+def test_a_suspect_with_no_cause_in_sight_is_charged_itself(make):
+    ctl, _, _ = make(max_failures=1)
+    started(ctl).raised(0, "RuntimeError: Connection reset by peer", step=4)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].rank) == ("exception", 0)
+
+
+def test_a_collective_that_timed_out_blames_the_rank_it_waited_for(make):
+    ctl, _, _ = make(max_failures=1)
+    group = started(ctl).report(1).report(2, ranks=[0]).report(3, ranks=[0])
+    group.raised(0, "RuntimeError: Timed out waiting for recv", step=3)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    failure = ctl.state.failures[-1]
+    assert (failure.kind, failure.rank, failure.step) == ("hang", 1, 1)
+
+
+def test_a_worker_the_scheduler_dropped_silently_is_found_when_its_peer_is_judged(make):
+    ctl, cluster, _ = make(max_failures=1)
+    group = started(ctl).raised(0, "RuntimeError: Connection closed by peer", step=2)
+    cluster.workers.remove(group.addresses[1])  # gone, with no event yet
+    cluster.lost_kinds[group.addresses[1]] = "node_loss"
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    failure = ctl.state.failures[-1]
+    assert (failure.kind, failure.rank) == ("node_loss", 1)
+    assert group.journal_skips[-1] == {group.addresses[1]}  # its node's journals are gone too
+
+
+@pytest.mark.parametrize("how, kind", [
+    ({"cancelled": True}, "node_loss"),
+    ({"error": OSError("gone"), "worker_died": True}, "process_death"),
+    ({"error": OSError("odd")}, "process_death"),
+])
+def test_a_rank_task_that_ended_without_raising_itself_is_charged_by_how(make, how, kind):
+    ctl, _, _ = make(max_failures=1)
+    started(ctl).ended(1, **how)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].rank) == (kind, 1)
+
+
+def test_a_rank_silent_past_the_watchdog_is_hung(make):
+    ctl, _, _ = make(max_failures=1, hang_timeout_s=0.05)
+    started(ctl).joined().report(1).report(2, ranks=[0])
+    with pytest.raises(WorkerGroupError, match="hang"):
+        ctl.run_segment()
+    failure = ctl.state.failures[-1]
+    assert (failure.kind, failure.rank, failure.step) == ("hang", 1, 1)
+
+
+def test_the_budget_spent_ends_the_run_naming_the_setting(make):
+    ctl, _, rec = make(max_failures=1)
+    started(ctl).raised(0, "boom", step=1)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    started(ctl).raised(1, "boom again", step=1)
+    with pytest.raises(TrainingFailedError, match="max_failures=1"):
+        ctl.run_segment()
+    assert isinstance(ctl.current, Errored) and ctl.state.status == "failed"
+    assert rec.calls[-1] == ("end", "failed")
+
+
+def test_unlimited_failures_keep_restarting(make):
+    ctl, _, _ = make(max_failures=-1, workers=30)
+    for attempt in range(10):
+        started(ctl).joined().raised(0, "boom", step=0)
+        with pytest.raises(WorkerGroupError):
+            ctl.run_segment()
+    assert ctl.state.charged_failures == 10
+
+
+def test_groups_that_keep_failing_before_their_ranks_join_end_the_run(make):
+    ctl, _, _ = make(max_failures=-1, workers=30)
+    for _ in range(2):
+        started(ctl).raised(0, "rendezvous failed", step=0)
+        with pytest.raises(WorkerGroupError):
+            ctl.run_segment()
+    started(ctl).raised(0, "rendezvous failed", step=0)
+    with pytest.raises(TrainingFailedError, match="failed to start 3 times in a row"):
+        ctl.run_segment()
+
+
+def test_ranks_that_joined_by_their_journals_do_not_count_as_a_failed_start(make):
+    ctl, cluster, _ = make(max_failures=-1, workers=30)
+    for _ in range(4):
+        group = started(ctl)
+        group.journals = {0: {"index": 0, "messages": []}, 1: {"index": 0, "messages": []}}
+        group.raised(0, "boom", step=0)  # their "started" never reached the driver
+        with pytest.raises(WorkerGroupError):
+            ctl.run_segment()
+    assert ctl.start_failures == 0 and ctl.state.charged_failures == 4
+
+
+# -- what the journals keep -------------------------------------------------------------------
+
+
+def test_a_round_whose_last_report_died_with_its_rank_is_committed_from_the_journal(make):
+    ctl, _, _ = make(max_failures=1)
+    group = started(ctl).report(4, ranks=[0], checkpoint=True)
+    # rank 1 returned from report 4 (no files) and was killed with it still queued
+    group.journals = {1: {"index": 4, "messages": []}}
+    group.lost(1)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    assert ctl.state.report_index == 4 and ctl.state.latest.startswith("checkpoint_000004")
+    assert ctl.state.failures[-1].step == 4  # the failure's step is exact too
+    assert started(ctl).started_from == (ctl.state.latest, 4)
+
+
+def test_an_async_upload_that_never_finished_leaves_its_round_uncommitted(make):
+    ctl, _, _ = make(max_failures=1)
+    group = started(ctl).report(4, ranks=[0], checkpoint=True)
+    intent = {"rank": 1, "index": 4, "dir_name": "checkpoint_000004-a0-x", "upload": "pending"}
+    group.journals = {1: {"index": 4, "messages": [intent]}}
+    group.lost(1)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    assert ctl.state.latest is None
+
+
+# -- preemption, damaged checkpoints, resizing, the lease --------------------------------------
+
+
+def test_a_notice_then_a_just_in_time_checkpoint_restarts_elsewhere_uncharged(make):
+    ctl, _, _ = make()
+    group = started(ctl).notice(1, deadline=time.time() + 60)
+    assert isinstance(go(ctl), Preempting)
+    group.preempted_at(1, leaving=(1,), deadline=time.time() + 60, checkpoint=True)
+    segment = ctl.run_segment()  # the JIT checkpoint ends the segment; no error
+    assert segment.kind == "checkpoint" and isinstance(ctl.current, Restarting)
+    failure = ctl.state.failures[-1]
+    assert (failure.kind, failure.charged) == ("preemption", False)
+    assert group.addresses[1] in ctl.dead_workers
+    assert group.addresses[1] not in started(ctl).addresses
+
+
+def test_a_notice_that_runs_out_without_a_checkpoint_restarts_at_once(make):
+    ctl, _, _ = make(workers=4)
+    started(ctl).notice(0, deadline=time.time() - 1)
+    go(ctl)
+    assert isinstance(go(ctl), Restarting)  # the deadline has passed
+    assert "no checkpoint was saved in time" in ctl.state.failures[-1].error
+    assert isinstance(go(ctl), Running)
+
+
+def test_a_retired_worker_gives_its_ranks_notice(make):
+    ctl, _, _ = make()
+    group = started(ctl).lost(0, expected=True)
+    assert isinstance(go(ctl), Preempting)
+    assert [a for a, _ in group.notices] == [group.addresses[0]]
+
+
+def test_a_damaged_latest_checkpoint_is_dropped_and_the_one_before_restored(make):
+    ctl, _, _ = make(max_failures=0)
+    group = started(ctl).report(1, checkpoint=True)
+    ctl.run_segment()
+    group.report(2, checkpoint=True)
+    ctl.run_segment()
+    damaged, kept = ctl.state.latest, ctl.state.checkpoints[0].dir_name
+    group.raised(0, "CheckpointDamagedError: sha256 differs", step=2,
+                 damaged=ctl.manager.latest_uri(ctl.state))
+    go(ctl)
+    assert isinstance(ctl.current, Restarting) and ctl.state.latest == kept
+    assert damaged not in [c.dir_name for c in ctl.state.checkpoints]
+    assert not ctl.state.failures[-1].charged
+
+
+def test_an_elastic_group_with_workers_to_spare_resizes_after_a_checkpoint(make):
+    ctl, cluster, _ = make(ranks=3, min_workers=2, workers=2)
+    group = started(ctl).report(1, checkpoint=True)
+    cluster.workers.append("tcp://w9:1")
+    cluster.grow = True
+    ctl.run_segment()
+    assert isinstance(ctl.current, Resizing) and group.stop_requested
+    group.returned(reports=1, stopped=True)
+    go(ctl, 3)
+    assert isinstance(ctl.current, Restarting) and ctl.current.failure is None
+    assert len(started(ctl).addresses) == 3
+
+
+def test_a_lost_lease_stops_the_ranks_and_writes_nothing(make):
+    ctl, _, _ = make()
+    group = started(ctl)
+    ctl.lease_lost("taken over by another driver")
+    with pytest.raises(RunLockedError):
+        ctl.run_segment()
+    assert group.stopped and ctl.state.status == "running"
+
+
+def test_events_of_a_stopped_group_are_ignored(make):
+    ctl, cluster, _ = make(max_failures=1, workers=4)
+    old = started(ctl).raised(0, "boom", step=0)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    started(ctl)
+    old.raised(1, "late", step=0)
+    assert isinstance(go(ctl), Running) and len(ctl.state.failures) == 1
+
+
+def test_a_ctrl_c_is_recorded_uncharged_and_stops_the_ranks(make):
+    ctl, _, rec = make()
+    group = started(ctl)
+    ctl.abort(KeyboardInterrupt())
+    assert group.stopped and isinstance(ctl.current, Errored)
+    assert ctl.state.status == "interrupted"
+    assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].charged) == ("driver_interrupt", False)
+    assert ("failure", "driver_interrupt") in rec.calls

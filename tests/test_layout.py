@@ -1,0 +1,99 @@
+"""The shape of the code: no import circle inside `ft_train`, and `ft_train` never imports
+Prefect (it is the library; `flows/` and `tasks/` are its Prefect adapters)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "ft_train"
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in LIBRARY.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(name: str, path: pathlib.Path, known: dict) -> set[str]:
+    """The `ft_train` modules `name` imports, at any depth of its code (a function's own imports
+    too), except under `if TYPE_CHECKING:`. `from . import x` depends on x, not on the package."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node) for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = node.module or "" if not node.level else ".".join(
+                parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])
+            )
+            subs = {f"{base}.{a.name}" for a in node.names} & known.keys()
+            found |= subs or {base}
+    return {m for m in found if m in known and m != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                out.append(sorted(component + [v]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_inside_ft_train():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert graph["ft_train.session"], "the import graph was read"  # the test can see imports
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_ft_train_never_imports_prefect():
+    names = sorted(name for name in modules() if not name.startswith("ft_train.examples"))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
