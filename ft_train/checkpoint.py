@@ -18,7 +18,7 @@ import tempfile
 import uuid
 from typing import Any, Iterator, Optional
 
-from .errors import CheckpointDamagedError, StorageError
+from .errors import CheckpointDamagedError, SessionError, StorageError
 from .storage import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
@@ -35,7 +35,12 @@ class Checkpoint:
     def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"Checkpoint.from_directory: {path} is not a directory")
+            # A SessionError, not FileNotFoundError: in a rank it ends the run at once (no
+            # retry saves to a directory that the training function never created).
+            raise SessionError(
+                f"Checkpoint.from_directory({path!r}): there is no such directory; save the "
+                "checkpoint's files into a directory first, then pass that directory"
+            )
         return cls(path)
 
     def __repr__(self) -> str:
