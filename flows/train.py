@@ -94,8 +94,8 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
 class _TrainFlow(Flow):
     """The flow, and three things more for a Python call. Its parameters are checked first, so
     that bad input raises ConfigError before anything starts (a deployment's are checked by
-    Prefect, then by the flow). Prefect's temporary API server, where
-    Prefect would start one, starts at once (`flows.ephemeral`). On a local CPU cluster, that
+    Prefect, then by the flow). Prefect's temporary API server, where Prefect would start one,
+    starts at once (`flows.ephemeral`). On a local CPU cluster, that
     cluster starts on a thread at once too (its workers fork from a server that imports torch);
     the flow's run takes it over. Not for a run on local storage that has finished, or that
     another driver is training. Deployment runs start the cluster in the flow."""
