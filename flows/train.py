@@ -16,9 +16,12 @@ from prefect import Flow
 
 import ft_train
 from flows import ephemeral
-from ft_train.cluster import Ahead, start_forkserver
-from ft_train.driver import interrupt_or, make_controller
+from ft_train.cluster import Ahead, check_fits, check_scheduler, start_forkserver
+from ft_train.config import parse
+from ft_train.driver import interrupt_or, loop_config, make_controller, peek
+from ft_train.errors import ConfigError
 from ft_train.lease import live_holder
+from ft_train.rank import load_train_loop
 from ft_train.run_state import RunStore
 from ft_train.storage import Storage
 from tasks import finalize, prepare_run, provision_workers, train_segment
@@ -42,6 +45,8 @@ def train_fn(
         scaling_config: how many ranks, CPU or GPU.
         cluster: a local Dask cluster (default) or the address of an existing one.
     """
+    check_fits(cluster, scaling_config)
+    check_scheduler(cluster)  # before prepare_run: a wrong address leaves the storage untouched
     plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
     if plan.finished:
         return finalize(plan)
@@ -78,7 +83,7 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     storage = Storage(run.storage_path, run.storage_options)
     if not storage.is_local:
         return False
-    state = RunStore(storage, run.name).load()
+    state = peek(run, storage, RunStore(storage, run.name))  # raises for a run that cannot start
     if state is None:
         return run.resume == "must"  # refused
     if run.resume == "never" or state.status == "finished":
@@ -87,21 +92,19 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
 
 
 class _TrainFlow(Flow):
-    """The flow, and two things more for a Python call. Prefect's temporary API server, where
-    Prefect would start one, starts at once (`flows.ephemeral`). On a local CPU cluster, that
+    """The flow, and three things more for a Python call. Its parameters are checked first, so
+    that bad input raises ConfigError before anything starts (a deployment's are checked by
+    Prefect, then by the flow). Prefect's temporary API server, where Prefect would start one,
+    starts at once (`flows.ephemeral`). On a local CPU cluster, that
     cluster starts on a thread at once too (its workers fork from a server that imports torch);
     the flow's run takes it over. Not for a run on local storage that has finished, or that
     another driver is training. Deployment runs start the cluster in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cluster, scaling, run = _checked(self.fn, args, kwargs)  # bad input: nothing starts
         server = ephemeral.start()  # first: it is the longest to start
         ahead = None
-        with contextlib.suppress(Exception):  # bad input fails in the flow, as without this
-            call = inspect.signature(self.fn).bind(*args, **kwargs)
-            call.apply_defaults()
-            cluster = ft_train.ClusterConfig.model_validate(call.arguments["cluster"])
-            scaling = ft_train.ScalingConfig.model_validate(call.arguments["scaling_config"])
-            run = ft_train.RunConfig.model_validate(call.arguments["run_config"])
+        with contextlib.suppress(Exception):  # what fails here fails in the flow, as without this
             if cluster.address is None and not scaling.use_gpu and not _nothing_to_train(run):
                 start_forkserver(cluster.preload)
                 ahead = Ahead(cluster, scaling)
@@ -111,6 +114,25 @@ class _TrainFlow(Flow):
         finally:
             if ahead is not None:
                 ahead.drop()  # closes it if the run did not take it
+
+
+def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """A Python call's parameters, checked as the flow checks them, before Prefect, a flow run
+    or a cluster starts: ConfigError (TrainLoopImportError) naming the field and the fix."""
+    try:
+        call = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        names = ", ".join(inspect.signature(fn).parameters)
+        raise ConfigError(f"train(): {e}; its parameters are {names}") from None
+    call.apply_defaults()
+    p = call.arguments
+    cluster = parse(ft_train.ClusterConfig, p["cluster"], "cluster")
+    scaling = parse(ft_train.ScalingConfig, p["scaling_config"], "scaling_config")
+    run = parse(ft_train.RunConfig, p["run_config"], "run_config")
+    load_train_loop(p["train_loop"])
+    loop_config(p["train_loop_config"])
+    check_fits(cluster, scaling)
+    return cluster, scaling, run
 
 
 train = _TrainFlow(train_fn, name="ft-train", flow_run_name="{run_config.name}")

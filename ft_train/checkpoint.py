@@ -16,10 +16,18 @@ import tempfile
 from typing import Any, Iterator, Optional
 
 from . import download_cache
-from .errors import CheckpointDamagedError, StorageError
+from .errors import CheckpointDamagedError, SessionError, StorageError
 from .storage import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
+
+
+def _inside(rel: Any) -> bool:
+    """Is `rel` a relative path that stays inside its checkpoint's directory?"""
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        return False
+    parts = rel.split("/")
+    return not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
 class Checkpoint:
@@ -33,7 +41,12 @@ class Checkpoint:
     def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"Checkpoint.from_directory: {path} is not a directory")
+            # A SessionError, not FileNotFoundError: in a rank it ends the run at once (no
+            # retry saves to a directory that the training function never created).
+            raise SessionError(
+                f"Checkpoint.from_directory({path!r}): there is no such directory; save the "
+                "checkpoint's files into a directory first, then pass that directory"
+            )
         return cls(path)
 
     def __repr__(self) -> str:
@@ -52,7 +65,25 @@ class Checkpoint:
         raw = self._storage().read_bytes(MANIFEST)
         if raw is None:
             raise StorageError(f"{self.path} has no {MANIFEST}: it was never committed")
-        return json.loads(raw)
+        try:
+            manifest = json.loads(raw)
+            files = manifest["files"]
+            if not isinstance(files, dict):
+                raise TypeError(f"'files' is a {type(files).__name__}, not an object")
+            bad = next((rel for rel in files if not _inside(rel)), None)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointDamagedError(
+                f"{self.path}/{MANIFEST} is not a manifest ({type(e).__name__}: {e}): the stored "
+                "checkpoint is damaged; delete it, or restore it from a copy", self.path
+            ) from None
+        if bad is not None:
+            # Never follow it: a restore would read, and write, a file outside the checkpoint.
+            raise CheckpointDamagedError(
+                f"{self.path}/{MANIFEST} lists {bad!r}, a path outside the checkpoint: it was not "
+                "written by ft-train, or was altered; delete the checkpoint, or restore it from a "
+                "copy", self.path
+            )
+        return manifest
 
     def _is_local(self) -> bool:
         return "://" not in self.path or self.path.startswith("file://")

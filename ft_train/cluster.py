@@ -18,12 +18,13 @@ For GPUs, one worker per GPU with `CUDA_VISIBLE_DEVICES` set and a `GPU` resourc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing.forkserver
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Optional, Sequence
 
 import dask
@@ -242,6 +243,57 @@ def dask_setup(worker) -> None:
     killed, with those processes; and spawned ones import torch again, seconds every epoch
     (9 s before the first batch of two ranks with two loader workers each, on 2 cores)."""
     multiprocessing.set_start_method("fork", force=True)
+
+
+def check_fits(cluster: ClusterConfig, scaling: ScalingConfig) -> None:
+    """Refuse, before anything starts, a local cluster that can never hold the group: waiting
+    `worker_start_timeout_s` for workers it will never have tells the user nothing more. (An
+    existing cluster may grow: `worker_group.await_workers` waits for it.)"""
+    if cluster.address is not None:
+        return
+    if cluster.n_workers is not None and cluster.n_workers < scaling.min_workers:
+        raise ConfigError(
+            f"scaling_config.num_workers={scaling.num_workers!r} needs {scaling.min_workers} "
+            f"workers, but the local cluster has cluster.n_workers={cluster.n_workers}; raise "
+            "cluster.n_workers (or leave it unset: one per rank, plus a spare), or lower "
+            "scaling_config.num_workers"
+        )
+    if scaling.use_gpu:
+        import torch
+
+        available = torch.cuda.device_count()
+        if available < scaling.min_workers:
+            raise ConfigError(
+                f"scaling_config.use_gpu with num_workers={scaling.num_workers!r} needs "
+                f"{scaling.min_workers} GPUs; {available} visible. Lower num_workers, or use "
+                "cluster.address for a cluster with more GPUs"
+            )
+
+
+def check_scheduler(cluster: ClusterConfig) -> None:
+    """Is `cluster.address` a Dask scheduler that answers? Asked before the run's storage is
+    touched, so that a wrong address fails with nothing written. Waits up to Dask's connect
+    timeout (`distributed.comm.timeouts.connect`)."""
+    if cluster.address is None:
+        return
+    from distributed.comm import connect
+    from dask.utils import parse_timedelta
+
+    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+    async def probe() -> None:
+        comm = await connect(cluster.address, timeout=timeout)
+        await comm.close()
+
+    with ThreadPoolExecutor(1) as pool:  # its own event loop, whatever runs in this thread
+        try:
+            pool.submit(asyncio.run, probe()).result()
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"cluster.address {cluster.address!r}: no Dask scheduler answered within "
+                f"{timeout:g}s ({type(e).__name__}: {e}); check the address and that the "
+                "scheduler runs, or leave cluster.address unset to start a local cluster"
+            ) from None
 
 
 class Ahead:

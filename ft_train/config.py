@@ -10,9 +10,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ConfigError
 
 DEFAULT_STORAGE_PATH = "~/ft_train_results"
 
@@ -235,3 +244,66 @@ class ClusterConfig(_Config):
                         "here; install it, or remove it from cluster.preload"
                     )
         return self
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], value: Any, parameter: str) -> M:
+    """The flow parameter `parameter` as a `model`: a config as it is, or a dict (as a
+    deployment run or a Python call may pass it) validated into one. Raises ConfigError naming
+    each bad field, with its fix."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        problems: dict[str, str] = {}
+        for error in e.errors():
+            where, about = _field(model, parameter, error["loc"])
+            problem = _problem(where, about, error)
+            if error["type"] == "extra_forbidden":
+                problem += _belongs(model, parameter, str(error["loc"][-1]))
+            problems.setdefault(where, problem)  # a union's first
+        raise ConfigError(f"invalid {parameter}: " + "; ".join(problems.values())) from None
+
+
+def _problem(where: str, about: Optional[str], error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return (f"{where}: there is no such setting; check its spelling, and that it belongs "
+                f"in {where.rsplit('.', 1)[0]}")
+    message = error["msg"].removeprefix("Value error, ")
+    about = about.rstrip(".") if about else about
+    if message.startswith(where):
+        return message  # our own validators name the field and the fix already
+    # never echo storage_options: they may hold credentials
+    got = "" if "storage_options" in where else f" (got {error.get('input')!r})"
+    return f"{where}: {message}{got}" + (f". {about}" if about else "")
+
+
+def _field(model: type[BaseModel], parameter: str, loc: tuple) -> tuple[str, Optional[str]]:
+    """The dotted name of the field at `loc` (a union's member left out), and its description
+    (it says what the values mean: the fix)."""
+    names, about = [parameter], None
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            if names[-1] == parameter or about is None:
+                names.append(str(part))  # a dict key or an unknown field
+            break
+        names.append(part)
+        about = field.description
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+    return ".".join(names), about
+
+
+def _belongs(model: type[BaseModel], path: str, name: str) -> str:
+    """Where a setting called `name` is, if it is in a config nested in `model`."""
+    for field_name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            here = f"{path}.{field_name}"
+            if name in field.annotation.model_fields:
+                return f" (it is a setting of {here})"
+            found = _belongs(field.annotation, here, name)
+            if found:
+                return found
+    return ""

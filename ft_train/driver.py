@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -15,10 +16,10 @@ from .config import RunConfig, ScalingConfig
 from .cluster import DaskCluster
 from .controller import Callback, Controller, GroupPlan
 from .errors import ConfigError, RunLockedError, StorageError
-from .lease import RunLease
+from .lease import LEASE_FILE, RunLease
 from .rank import load_train_loop
 from .result import TrainResult
-from .run_state import FailureRecord, RunState, RunStore
+from .run_state import STATE_FILE, FailureRecord, RunState, RunStore
 from .storage import Storage
 
 logger = logging.getLogger("ft_train")
@@ -64,24 +65,17 @@ def prepare_run(
     `storage`: the run's storage, opened from `run_config` by default (a test passes one that
     injects faults)."""
     load_train_loop(train_loop)
-    config = dict(train_loop_config or {})
-    try:
-        json.dumps(config)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"train_loop_config must be JSON-serialisable: {e}") from None
-
+    config = loop_config(train_loop_config)
     if storage is None:
         storage = Storage(run_config.storage_path, run_config.storage_options)
     store = RunStore(storage, run_config.name)
     new = resume.wanted(train_loop, config, scaling, run_config.checkpoint_config)
-    if run_config.resume != "auto":  # asked again under the lease; here, a refusal writes nothing
-        try:
-            state = store.load()
-        except StorageError:
-            raise
-        except Exception as e:
-            raise _unreadable(run_config, e) from None
-        resume.check(run_config, state, new, storage.uri(run_config.name), lambda msg: None)
+    # Read once before the lease is taken: stored state that cannot be resumed (corrupt, from a
+    # newer ft-train, a directory that is not a run's), storage that cannot be used, and a
+    # refusal by run_config.resume all fail here with nothing written, not even the lease. Asked
+    # again under the lease, where it counts.
+    resume.check(run_config, peek(run_config, storage, store), new,
+                 storage.uri(run_config.name), lambda msg: None)
     lease = RunLease(storage, run_config.name, holder, holder_id, log=log)
     try:
         lease.acquire()
@@ -91,16 +85,92 @@ def prepare_run(
         lease.release()
         if isinstance(e, (StorageError, RunLockedError, ConfigError)) or not isinstance(e, Exception):
             raise
-        raise _unreadable(run_config, e) from None
+        raise storage_error(run_config, "use", e) from None
     if plan.finished:
         plan.release()  # nothing to write
     return plan
 
 
-def _unreadable(run_config: RunConfig, e: Exception) -> StorageError:
+def loop_config(train_loop_config: Any) -> dict[str, Any]:
+    """`train_loop_config` as the ranks get it and the run state records it: a dict of JSON
+    values. NaN and infinity are refused: JSON has no such numbers, so the stored config would
+    not read back equal, and a resumed run would see a changed config every time."""
+    if train_loop_config is None:
+        return {}
+    if not isinstance(train_loop_config, dict):
+        raise ConfigError(
+            f"train_loop_config must be a dict of JSON values, not a "
+            f"{type(train_loop_config).__name__}: e.g. {{'epochs': 10}}"
+        )
+    try:
+        json.dumps(train_loop_config, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"train_loop_config must be JSON-serialisable ({e}); give numbers, strings, lists "
+            "and dicts (NaN or infinity as a string, e.g. 'nan')"
+        ) from None
+    return dict(train_loop_config)
+
+
+def peek(run_config: RunConfig, storage: Storage, store: RunStore) -> Optional[RunState]:
+    """The stored run state, read without the lease; for a new run, a check that a run can be
+    created there. A local path is checked first (no I/O to speak of), so that a file in the
+    way is named as such; a bucket only for a new run (one request)."""
+    try:
+        if storage.is_local:
+            _check_usable(run_config, storage)
+        state = store.load()
+        if state is None:
+            if not storage.is_local:
+                _check_usable(run_config, storage)
+            _check_new_run_dir(run_config, storage)
+        return state
+    except StorageError:
+        raise
+    except Exception as e:
+        raise storage_error(run_config, "read", e) from None
+
+
+def _check_usable(run_config: RunConfig, storage: Storage) -> None:
+    problem = storage.unusable()
+    if problem is not None:
+        raise StorageError(f"run_config.storage_path {run_config.storage_path!r}: {problem}")
+
+
+# What a run directory may hold before its run state is first written: the lease of a driver
+# that stopped before it wrote the state, and the temporary files of atomic writes.
+_BEFORE_STATE = (LEASE_FILE, f"{LEASE_FILE}.lock")
+_TEMP = re.compile(r"\.tmp-[0-9a-f]{8}$")
+
+
+def _check_new_run_dir(run_config: RunConfig, storage: Storage) -> None:
+    """A new run: its directory must hold nothing that ft-train did not write (a name that
+    collides with other data, a run whose state was deleted): a run started there would mix
+    with it, and its orphan collection could delete checkpoints the lost state referenced."""
+    foreign = [n for n in storage.list_dir(run_config.name)
+               if n not in _BEFORE_STATE and not _TEMP.search(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StorageError(
+            f"{storage.uri(run_config.name)} holds files but no {STATE_FILE} ({shown}): it is not "
+            "an ft-train run, or its run state was deleted. Use another run_config.name (or "
+            "run_config.storage_path), or move those files away"
+        )
+
+
+def storage_error(run_config: RunConfig, doing: str, e: Exception) -> StorageError:
+    """A StorageError for an error of the storage itself, with the setting that likely fixes it."""
+    if isinstance(e, PermissionError) and "://" not in run_config.storage_path:
+        hint = "permission denied: give a run_config.storage_path you can write to"
+    elif isinstance(e, PermissionError):
+        hint = ("permission denied: check the credentials in run_config.storage_options (key, "
+                "secret) or the environment's, and that they may read and write there")
+    elif isinstance(e, (NotADirectoryError, FileExistsError)):
+        hint = "a part of the path is a file: give a directory in run_config.storage_path"
+    else:
+        hint = "check run_config.storage_path and run_config.storage_options"
     return StorageError(
-        f"cannot read run state under {run_config.storage_path} ({type(e).__name__}: {e}); "
-        "check run_config.storage_path and run_config.storage_options"
+        f"cannot {doing} the run under {run_config.storage_path} ({type(e).__name__}: {e}); {hint}"
     )
 
 
@@ -138,10 +208,7 @@ def _rehydrate(
     except RunLockedError:
         raise
     except Exception as e:
-        raise StorageError(
-            f"cannot write to {where} ({type(e).__name__}: {e}); check run_config.storage_path "
-            "and run_config.storage_options"
-        ) from None
+        raise storage_error(run_config, "write", e) from None
     if resumed:
         _sweep_orphans(storage, store, state, run_config, log)
     return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)

@@ -34,12 +34,19 @@ logger = logging.getLogger("ft_train")
 
 
 def load_train_loop(train_loop: Union[str, Callable]) -> Callable:
-    """Resolve 'package.module:function'. Raises TrainLoopImportError (never retried)."""
-    if callable(train_loop):
-        return train_loop
+    """Resolve 'package.module:function' and check that it can be called as `fn(config)` or
+    `fn()`. Raises TrainLoopImportError (never retried): the driver calls this before any rank
+    starts, so that no rank fails on what every rank would fail on."""
+    fn = train_loop if callable(train_loop) else _import_train_loop(train_loop)
+    _check_signature(train_loop, fn)
+    return fn
+
+
+def _import_train_loop(train_loop: Any) -> Callable:
     if not isinstance(train_loop, str) or ":" not in train_loop:
         raise TrainLoopImportError(
-            f"train_loop {train_loop!r} must be an import path 'package.module:function'"
+            f"train_loop {train_loop!r} must be an import path 'package.module:function' (or, "
+            "in a Python call, the function itself)"
         )
     module_name, _, attr = train_loop.partition(":")
     try:
@@ -52,11 +59,33 @@ def load_train_loop(train_loop: Union[str, Callable]) -> Callable:
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
+    if fn is None:
+        raise TrainLoopImportError(
+            f"train_loop {train_loop!r}: module {module_name!r} has no {attr!r}; check the name "
+            "after the ':'"
+        )
     if not callable(fn):
-        raise TrainLoopImportError(f"train_loop {train_loop!r}: {module_name} has no function {attr!r}")
+        raise TrainLoopImportError(
+            f"train_loop {train_loop!r}: {attr!r} is a {type(fn).__name__}, not a function; "
+            "give the training function's name after the ':'"
+        )
     return fn
 
 
+def _check_signature(train_loop: Any, fn: Callable) -> None:
+    """A rank calls `fn(config)` if it takes a parameter, else `fn()` (`call_train_loop`)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the call itself will tell
+    try:
+        sig.bind({}) if sig.parameters else sig.bind()
+    except TypeError as e:
+        raise TrainLoopImportError(
+            f"train_loop {train_loop!r} cannot be called as fn(train_loop_config): its signature "
+            f"is {sig} ({e}); define it as `def train_fn(config):` (or with no parameters), and "
+            "give any other parameter a default"
+        ) from None
 def call_train_loop(fn: Callable, config: dict[str, Any]) -> Any:
     try:
         takes_config = len(inspect.signature(fn).parameters) > 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Union
@@ -115,6 +116,11 @@ class TrainContext:
 
 
 def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` as JSON carries them. NaN and infinity, at any depth, become the strings 'nan',
+    'inf' and '-inf': a diverged loss is worth reporting (and must not fail the rank), but JSON
+    has no such numbers, and the run state and the manifest must stay valid JSON for every
+    reader. A checkpoint scored by such a metric ranks worst."""
+
     def scalar(o: Any) -> Any:
         if hasattr(o, "item") and getattr(o, "ndim", 0) == 0:
             return o.item()  # numpy scalar, 0-d tensor
@@ -125,11 +131,32 @@ def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
     try:
         out = json.loads(json.dumps(metrics, default=scalar))
     except (TypeError, ValueError) as e:
-        raise SessionError(f"report(): metrics must be JSON-serialisable: {e}") from None
-    for k, v in out.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            out[k] = str(v)  # keep NaN/inf visible, and the run state valid JSON
-    return out
+        raise SessionError(
+            f"report(): metrics must be JSON-serialisable ({e}): report numbers, strings, lists "
+            "and dicts (e.g. loss.item(), not the tensor; str(value) for anything else)"
+        ) from None
+    return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _checkpoint_files(checkpoint: Checkpoint, local: str) -> None:
+    """A checkpoint's directory must exist. It may be empty on some ranks (only rank 0 saves
+    the model); a round in which no rank attached a file is refused by the driver
+    (`controller.Controller._on_round`)."""
+    if not os.path.isdir(local):
+        raise SessionError(
+            f"report(checkpoint={checkpoint!r}): {local} is not a directory; save the "
+            "checkpoint's files into a directory, then pass Checkpoint.from_directory(it)"
+        )
 
 
 # An agreement starts at most this many reports after the previous one (see _start_agreement).
@@ -194,6 +221,7 @@ class Session:
             dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
             msg, remote = replace(msg, dir_name=dir_name), f"{s.name}/{dir_name}"
             with checkpoint.as_directory() as local:
+                _checkpoint_files(checkpoint, local)
                 if checkpoint_upload_mode == "async":
                     self._journal(UploadIntent(s.rank, self.report_index, dir_name))
                     self._uploads_started().submit(local, remote, msg)

@@ -83,9 +83,11 @@ def _content_tag(data: bytes) -> str:
 
 def _precondition_failed(error: OSError) -> bool:
     """Did S3 refuse a conditional write because the object changed (or appeared, or went)?"""
+    code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
+    if code == "NoSuchBucket":  # not a race that looking again resolves: the lease would loop
+        return False
     if isinstance(error, (FileExistsError, FileNotFoundError)):
         return True
-    code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
     return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
@@ -139,6 +141,28 @@ class Storage:
     def uri(self, path: str) -> str:
         """A URL a user can paste: the storage URL joined with `path`."""
         return f"{self.url.rstrip('/')}/{path}"
+
+    def unusable(self) -> str | None:
+        """Why no run can be created under the root, with the fix, or None: a local path where
+        a file stands in for a directory, or that cannot be written; a bucket that does not
+        exist (a write would fail only after the run had started)."""
+        if self.is_local:
+            existing = self.full("")
+            while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                return f"{existing} is a file, not a directory: give a directory"
+            if not os.access(existing, os.W_OK):
+                return f"{existing} is not writable: give a directory you can write to"
+            return None
+        if self._is_s3:
+            bucket = self.full("").split("/")[0]
+            if not self.fs.exists(bucket):
+                client = self.options.get("client_kwargs") or {}
+                at = self.options.get("endpoint_url") or client.get("endpoint_url")
+                where = f" at {at}" if at else ""
+                return f"bucket {bucket!r} does not exist{where}: create it, or give an existing bucket"
+        return None
 
     # -- the interface -----------------------------------------------------------------------
 

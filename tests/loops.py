@@ -84,3 +84,40 @@ def fast_checkpoints(config):
             else:
                 attached = None
             ft_train.report(metrics, checkpoint=attached, checkpoint_upload_mode=mode)
+
+
+def two_args(config, extra):
+    """A training function a rank cannot call: two required parameters."""
+
+
+def report_counts(config):
+    """Breaks the report() contract: rank r reports config["counts"][r] times."""
+    for i in range(config["counts"][ft_train.get_context().get_world_rank()]):
+        ft_train.report({"i": i})
+
+
+def bad_report(config):
+    """One report() that breaks its contract as config["case"] says; a function that a rank
+    would run again on a retry, and fail again."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="bad-report-")
+    case = config["case"]
+    if case == "not_json":
+        ft_train.report({"model": object()})
+    elif case == "missing_dir":
+        ft_train.report({"i": 0}, checkpoint=ft_train.Checkpoint.from_directory(d + "/never-saved"))
+    elif case == "empty_dir":
+        ft_train.report({"i": 0}, checkpoint=ft_train.Checkpoint.from_directory(d))
+
+
+def non_finite_metrics(config):
+    """A diverged loss: NaN and infinities at any depth of the metrics, with a checkpoint."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="nan-")
+    with open(os.path.join(d, "weights.txt"), "w") as f:
+        f.write("diverged")
+    nan, inf = float("nan"), float("inf")
+    metrics = {"loss": nan, "grad_norm": inf, "per_class": [0.5, -inf], "nested": {"x": nan}}
+    ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))

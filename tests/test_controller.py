@@ -15,6 +15,7 @@ from ft_train.controller import (
     Restarting, Running,
 )
 from ft_train.controller import group_events
+from ft_train.protocol import Report, Reported
 from ft_train.errors import RunLockedError, SessionError, TrainingFailedError, WorkerGroupError
 from ft_train.run_state import RunState, RunStore
 from ft_train.storage import Storage
@@ -115,6 +116,17 @@ def test_a_committed_checkpoint_ends_the_segment(make):
     segment = ctl.run_segment()
     assert (segment.kind, segment.report_index, segment.metrics["loss"]) == ("checkpoint", 2, 0.5)
     assert ("checkpoint", 2) in rec.calls
+
+
+def test_a_checkpoint_without_a_file_on_any_rank_ends_the_run(make):
+    ctl, _, _ = make(max_failures=3)
+    group = started(ctl)
+    group.report(1)
+    for rank in range(2):  # each rank attached an empty directory
+        group.events.put(Reported(group.attempt, Report(rank, 2, {}, "checkpoint_000002-a0-x", {})))
+    with pytest.raises(SessionError, match="holds no files on any rank"):
+        ctl.run_segment()
+    assert ctl.state.latest is None and ctl.state.status == "failed"
 
 
 def test_ranks_that_return_alike_drain_their_last_reports_then_finish(make):

@@ -543,10 +543,12 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
         plan.release()
 
     assert counts["few"] == counts["many"], counts
-    assert counts["many"]["read_bytes"] == 1
-    # The state is found with that one read. The driver's start then sweeps crash leftovers:
-    # one listing of the run's directory (names only; one LIST request per 1000 on S3), and no
-    # read of a checkpoint or of the sealed index (`collect_orphans(read_index=False)`).
+    # the head twice: once before the lease (a state that cannot be resumed is refused with
+    # nothing written), once under it (what counts); never a chunk. The driver's start then
+    # sweeps crash leftovers: one listing of the run's directory (names only; one LIST request
+    # per 1000 on S3), and no read of a checkpoint or of the sealed index
+    # (`collect_orphans(read_index=False)`).
+    assert counts["many"]["read_bytes"] == 2
     assert counts["many"]["list_dir"] == 1
     listings = {c: k for c, k in counts["many"].items() if c.removeprefix("fs.") in LISTING}
     assert listings == {"fs.ls": 1}, counts["many"]

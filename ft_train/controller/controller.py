@@ -184,6 +184,11 @@ class Controller:
                 self._last_progress_log = time.monotonic()
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return s
+        if not rnd.files:  # restored, it would be an empty directory: as if from scratch
+            return self.errored(SessionError(
+                f"report() {rnd.index}: the checkpoint holds no files on any rank; save the "
+                "checkpoint's files into it before report(), or report without checkpoint="
+            ))
         self._commit(rnd)
         self._segment = Segment("checkpoint", rnd.index, rnd.metrics, rnd.dir_name)
         return s

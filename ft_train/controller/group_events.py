@@ -51,9 +51,9 @@ def _on_round(ctl: "Controller", s: GroupState, rnd: Round) -> State:
     if rnd.preempted is not None:
         leaving = {group.addresses[r] for r in rnd.preempted}
         s = _noted(ctl, s, leaving, rnd.deadline or time.time(), boundary=True)
-    s_after = ctl._on_round(s, rnd)
-    if rnd.dir_name is None:
-        return s_after
+    after = ctl._on_round(s, rnd)
+    if rnd.dir_name is None or after is not s:  # no checkpoint, or one the run cannot take
+        return after
     if isinstance(s, Preempting) and s.boundary:
         return preempted(ctl, s, rnd.dir_name)
     if isinstance(s, Running) and ctl.cluster.can_grow(ctl.plan, group.addresses, ctl.dead_workers):
