@@ -15,8 +15,9 @@ node's shared memory (tmpfs), which outlive its process:
   incomplete.
 
 After a group has stopped, the driver reads the journals of its attempt through each node's
-nanny, which outlives its worker (`collect`), and commits the newest round that every rank
-reached (`controller.rounds.ReportRounds.recover`). A lost node takes its journals with it: then
+nanny, which outlives its worker (`collect`, which then removes them), and commits the newest
+round that every rank reached (`controller.rounds.ReportRounds.recover`); after a clean finish
+it only removes them. A lost node takes its journals with it: then
 only what reached the driver counts.
 
 Bounded: once an agreement tells a rank that every rank has reached report L, it drops the lines
@@ -25,6 +26,7 @@ before the newest one at or below L (no round before that can be the newest comp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -139,6 +141,8 @@ def collect(run: str, attempt_id: str, root: Optional[str] = None) -> dict[int, 
         elif ext == "jsonl":
             entry["messages"] = _parse(data)
     shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the run's directory, once it holds no attempt
+        os.rmdir(os.path.dirname(path))
     return found
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ft_train
-from tests.helpers import assert_bit_identical, load_state, run_config
+from tests.helpers import assert_bit_identical, fresh, load_state, run_config
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -41,6 +41,13 @@ def train_fast(storage, name, config, max_failures) -> ft_train.TrainResult:
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=run_config(storage, name, max_failures),
     )
+
+
+def no_journal_left(storage, name) -> bool:
+    """The ranks' journals of a finished run are gone from the node."""
+    from ft_train.journal import journal_root, run_key
+
+    return not os.path.exists(os.path.join(journal_root(), run_key(storage.uri(name))))
 
 
 def weights(result: ft_train.TrainResult) -> dict[str, torch.Tensor]:
@@ -85,6 +92,7 @@ def test_a_round_every_rank_reported_survives_the_death_of_a_rank(
     ]
     assert all(a.restored_from for a in state.attempts[1:])
     assert_bit_identical(weights(result), fault_free)
+    assert no_journal_left(fresh(storage), name)
 
 
 RECORDED_CHAOS = {**RECORDED, "hang": "hang"}

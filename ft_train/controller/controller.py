@@ -225,6 +225,7 @@ class Controller:
 
     def _finished(self, attempt: Attempt) -> State:
         attempt.group.release()
+        attempt.group.read_journals()  # every report arrived: the journals only take room now
         self.state.status = "finished"
         self.state.final_metrics = self.last_metrics
         self.store.save(self.state)
