@@ -9,10 +9,10 @@ One entry per checkpoint URL, under a key hashed from it:
   `{key}.download`   a flock held by the one rank of the node that downloads it
 
 Eviction, so that disk use stays flat over any number of restores: after each download, every
-entry past the `KEEP` most recently used (a use touches `{key}/`) is removed, each only if its
+entry past the `knobs.DOWNLOAD_CACHE_KEEP` most recently used (a use touches `{key}/`) is removed, each only if its
 lock can be taken exclusively at once. An entry a rank has open, or one being downloaded, is
 never removed; a killed rank's lock goes with its process, so its partial download and its open
-entry go at the next eviction. The cache holds at most `KEEP` entries plus those in use.
+entry go at the next eviction. The cache holds at most `knobs.DOWNLOAD_CACHE_KEEP` entries plus those in use.
 
 Two ranks of a node restoring one checkpoint at once: both take the shared lock and find no
 directory; the first to take the download lock downloads, the other waits on it and then finds
@@ -29,7 +29,8 @@ import shutil
 import uuid
 from typing import Callable, Iterator
 
-KEEP = 2  # entries kept beyond those in use: the latest checkpoint, and one to fall back to
+from . import knobs
+
 CACHE = "ft-train-cache"
 
 
@@ -47,7 +48,7 @@ def cached(root: str, url: str, fetch: Callable[[str], None]) -> Iterator[str]:
     try:
         if not os.path.isdir(final):
             _download(final, fetch)
-            evict(root, keep=KEEP, current=final)
+            evict(root, keep=knobs.DOWNLOAD_CACHE_KEEP, current=final)
         os.utime(final)  # most recently used
         yield final
     finally:

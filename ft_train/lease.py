@@ -14,8 +14,8 @@ Is the holder still alive? The lease names it: its machine, pid and the pid's st
 - Held on this machine (the same boot, the same pid namespace): the kernel knows. The holder
   lives if a process with its pid and start time does. A driver killed by SIGKILL or the OOM
   killer is replaced at once, by a rerun on the same machine.
-- Held on another machine: the holder renews every `ttl_s / RENEWALS_PER_TTL` seconds. The
-  contender watches the lease: a renewal means alive (refuse); none for `ttl_s` by the
+- Held on another machine: the holder renews every `ttl_s / knobs.LEASE_RENEWALS_PER_TTL`
+  seconds. The contender watches the lease: a renewal means alive (refuse); none for `ttl_s` by the
   contender's own clock means dead (take over). One last renewed more than `2 * ttl_s` ago by
   the contender's wall clock is taken at once (so clocks must agree to within `ttl_s`).
 
@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from . import knobs
 from .errors import RunLockedError
 from .run_state import now
 from .storage import Storage
@@ -46,8 +47,6 @@ from .storage import Storage
 logger = logging.getLogger("ft_train")
 
 LEASE_FILE = "driver_lease.json"
-TTL_S = 30.0
-RENEWALS_PER_TTL = 6  # a renewal every 5 s: a holder survives five failed renewals in a row
 
 # Leases this process holds (taken, not yet released), by owner id. A lease that names this pid
 # but none of these is dead: its release failed, or an earlier process had the same pid.
@@ -108,7 +107,7 @@ class RunLease:
         name: str,
         holder: str = "",
         holder_id: str = "",
-        ttl_s: float = TTL_S,
+        ttl_s: float = knobs.LEASE_TTL_S,
         log: Callable[[str], None] = logger.info,
     ):
         self.storage, self.name, self.ttl_s, self.log = storage, name, ttl_s, log
@@ -166,7 +165,7 @@ class RunLease:
                         "start a new run with another run_config.name"
                     )
                 if alive is None:
-                    time.sleep(min(1.0, other.ttl_s / RENEWALS_PER_TTL))
+                    time.sleep(min(1.0, other.ttl_s / knobs.LEASE_RENEWALS_PER_TTL))
                     continue
                 self.log(f"taking over the lease of run {self.name!r} from {other.describe()}: "
                          "that driver is gone")
@@ -217,7 +216,7 @@ class RunLease:
     # -- internals ----------------------------------------------------------------------------
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl_s / RENEWALS_PER_TTL) and self._lost is None:
+        while not self._stop.wait(self.ttl_s / knobs.LEASE_RENEWALS_PER_TTL) and self._lost is None:
             started = time.monotonic()
             self._doc.renewals += 1
             self._doc.renewed_at = now()

@@ -17,6 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Union
 
+from . import knobs
 from . import session as _session
 from .errors import (
     CheckpointDamagedError,
@@ -28,7 +29,7 @@ from .errors import (
 from .journal import Journal, run_key
 from .preemption import GroupStop
 from .protocol import Message, Report, Started
-from .session import FAIL_FLUSH_S, RankSpec, Session
+from .session import RankSpec, Session
 
 logger = logging.getLogger("ft_train")
 
@@ -113,7 +114,7 @@ class DaskSender:
     `close()` hands over what is left and returns once the event loop has taken it, before the
     rank's task returns."""
 
-    def __init__(self, topic: str, interval_s: float = 0.5):
+    def __init__(self, topic: str, interval_s: float = knobs.REPORT_BATCH_S):
         from distributed import get_worker
         from tornado.ioloop import PeriodicCallback
 
@@ -172,9 +173,8 @@ def _control_group():
     """ft-train's own gloo group, for report()'s agreement (`ft_train.preemption`), beside the
     user's default group: all ranks, in the same order. Where the default group is gloo, the
     control group uses its device. Each gloo device runs a thread that wakes about every 10 ms,
-    whether or not anything is sent: with a second device, a second such thread in every rank
-    (108 wake-ups a second, 0.5% of a core, measured with agreements every 0.25 s), on the
-    training thread's core when the ranks fill the cores."""
+    whether or not anything is sent: a second device would add a second such thread to every
+    rank, on the training thread's core when the ranks fill the cores."""
     import torch
     import torch.distributed as dist
 
@@ -225,7 +225,7 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
         # a broken contract (ConfigError, SessionError): no retry can fix it
         fatal = isinstance(e, (ConfigError, SessionError))
         # the rounds whose uploads are pending were reported: let them finish (journaled)
-        session.stopped(FAIL_FLUSH_S)
+        session.stopped(knobs.FAIL_FLUSH_S)
         raise RankFailure(spec.rank, session.report_index, error, tb, fatal, _damaged(e)) from None
     finally:
         session.close()  # drops uploads still pending (none after a clean finish)

@@ -13,7 +13,7 @@ agreement is an all-reduce over a small gloo group, started in the background at
 read at report k+1, so a report() does not wait for the slowest rank: what the ranks agree on at
 report k+1 is what they knew when they called their k-th report(). With reports closer together
 than `FailureConfig.agreement_interval_s` (0.25 s), the ranks start one only every few reports
-(at most AGREE_EVERY_MAX), the same ones on every rank.
+(at most `knobs.AGREE_EVERY_MAX`), the same ones on every rank.
 
 Guarantee: once `report()` has returned on every rank for round k, round k's checkpoint is
 committed even if a rank dies the next instant; with `checkpoint_upload_mode="async"`, once its
@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Optional, Union
 
-from . import preemption
+from . import knobs, preemption
 from .checkpoint import Checkpoint
 from .checkpoint_manager import checkpoint_dir_name
 from .errors import SessionError, StorageError
@@ -77,8 +77,8 @@ class RankSpec:
     checkpoint_dir: Optional[str]  # latest committed checkpoint, None on a fresh run
     start_report_index: int
     topic: str
-    collective_timeout_s: float = 1800.0
-    agreement_interval_s: float = 0.0  # FailureConfig.agreement_interval_s
+    collective_timeout_s: float  # FailureConfig.collective_timeout_s
+    agreement_interval_s: float  # FailureConfig.agreement_interval_s
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,17 +159,9 @@ def _checkpoint_files(checkpoint: Checkpoint, local: str) -> None:
         )
 
 
-# An agreement starts at most this many reports after the previous one (see _start_agreement).
-AGREE_EVERY_MAX = 16
 
 UploadMode = Literal["sync", "async"]
 UPLOAD_MODES = ("sync", "async")
-# A group stopped by the driver (a resize) waits this long for its pending uploads to finish, so
-# that the rounds they complete can still be committed; the rest are dropped.
-STOP_FLUSH_S = 10.0
-# A rank that failed (its own error, or a peer's) waits this long for them: less than the
-# driver's grace before it kills a failed group's processes (controller.STOP_GRACE_S).
-FAIL_FLUSH_S = 2.0
 
 
 class Session:
@@ -273,18 +265,18 @@ class Session:
         return msg
 
     def _start_agreement(self) -> None:
-        """Starting an agreement costs a rank ~0.3 ms on a busy CPU (the all-reduce's threads
-        take its core): ~3% of the steps a second with a report every 35 ms step. So the group
+        """Starting an agreement costs a rank a fraction of a millisecond on a busy CPU (the
+        all-reduce's threads take its core), which a fast loop would feel. So the group
         agrees about every `agreement_interval_s`: each rank proposes how many reports that is,
         from their spacing since the previous agreement, and the group takes the largest
-        proposal, at most AGREE_EVERY_MAX."""
+        proposal, at most knobs.AGREE_EVERY_MAX."""
         s, now = self.spec, time.monotonic()
         every = 1
         if s.agreement_interval_s > 0 and self._agreement_time is not None:
             per_report = (now - self._agreement_time) / (self.report_index - self._agreement_index)
-            every = AGREE_EVERY_MAX
+            every = knobs.AGREE_EVERY_MAX
             if per_report > 0:
-                every = max(1, min(AGREE_EVERY_MAX, int(s.agreement_interval_s / per_report)))
+                every = max(1, min(knobs.AGREE_EVERY_MAX, int(s.agreement_interval_s / per_report)))
         self._agreement = preemption.PendingAgreement(
             self.control, s.rank, s.world_size, s.attempt_id, False, every, self.report_index
         )
@@ -313,7 +305,7 @@ class Session:
             if not (agreed.all_finished and agreed.same_index):
                 raise SessionError(_UNEQUAL.format(self.report_index + 1))
 
-    def stopped(self, timeout_s: float = STOP_FLUSH_S) -> None:
+    def stopped(self, timeout_s: float = knobs.STOP_FLUSH_S) -> None:
         """The group is stopping (the driver's GroupStop, or a failure): give the pending
         uploads `timeout_s` to finish, so the rounds they complete can still be committed (the
         driver reads them from the journal), then drop the rest."""

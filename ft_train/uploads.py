@@ -11,7 +11,7 @@ whose upload did not finish is never committed, and nothing on the driver's side
 synchronous upload.
 
 Contract:
-- at most `MAX_IN_FLIGHT` uploads are pending (queued or uploading); `submit` blocks beyond that;
+- at most `knobs.MAX_IN_FLIGHT_UPLOADS` uploads are pending (queued or uploading); `submit` blocks beyond that;
 - after `submit` returns, the caller MAY delete or rename its directory and its files, but MUST
   NOT rewrite a file in place until the upload is done: a hard link shares the file's contents,
   and `torch.save` onto an existing path truncates and rewrites that same file. A file found
@@ -40,11 +40,11 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
+from . import knobs
 from .errors import SessionError, StorageError
 from .protocol import Report
 from .storage import Storage, UploadStopped, local_files
 
-MAX_IN_FLIGHT = 2  # one uploading, one waiting: absorbs a slow upload without holding the rank
 STAGING = "ft-train-staging"
 
 # A failed link means "copy instead" for these; anything else is a real error.
@@ -66,7 +66,7 @@ class Uploads:
         self,
         storage: Storage,
         send: Callable[[Report], None],
-        max_in_flight: int = MAX_IN_FLIGHT,
+        max_in_flight: int = knobs.MAX_IN_FLIGHT_UPLOADS,
         staging_root: Optional[str] = None,
     ):
         self.storage, self.send, self.max_in_flight = storage, send, max_in_flight
@@ -258,7 +258,7 @@ def staging_dir(size_bytes: Optional[int] = None) -> Iterator[str]:
     the block ends (a killed process's is removed by the next process that uses one).
 
     Given `size_bytes`, about what will be written, the directory is in memory (/dev/shm) when
-    that times (MAX_IN_FLIGHT + 1) fits in half of the memory free there: writing the files then
+    that times (knobs.MAX_IN_FLIGHT_UPLOADS + 1) fits in half of the memory free there: writing the files then
     costs what serialising in memory does, and never waits for a disk that is still busy with
     the previous checkpoints. Otherwise, and without `size_bytes`, it is under the temporary
     directory. With checkpoint_upload_mode="async", report() snapshots the files with hard
@@ -291,7 +291,7 @@ def _ram_root(size_bytes: Optional[int]) -> Optional[str]:
         except OSError:
             continue
         free = min(st.f_bavail * st.f_frsize, _memory_available())
-        if os.access(root, os.W_OK) and size_bytes * (MAX_IN_FLIGHT + 1) <= free // 2:
+        if os.access(root, os.W_OK) and size_bytes * (knobs.MAX_IN_FLIGHT_UPLOADS + 1) <= free // 2:
             return root
     return None
 

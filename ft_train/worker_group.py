@@ -30,6 +30,7 @@ import dask
 from distributed import Client, KilledWorker
 from distributed.protocol import pickle
 
+from . import knobs
 from . import journal, preemption
 from .controller.ports import GroupPlan
 from .errors import WorkerStartupError
@@ -43,11 +44,6 @@ from .storage import Storage
 logger = logging.getLogger("ft_train")
 
 
-KILL_CONNECT_TIMEOUT = "3s"  # a worker that does not answer by then is gone already
-# A worker that accepts the connection but never answers (its process or machine frozen) would
-# hold whatever asked it (a group's start, a kill, and with them a recovery or a Ctrl+C) until
-# the scheduler drops it after worker-ttl, or forever: give up on it after this long.
-ANSWER_TIMEOUT_S = 5.0
 
 
 async def _hard_exit() -> None:
@@ -67,16 +63,16 @@ def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[
 
 
 def free_ports(client: Client, addrs: list[str]) -> dict[str, int]:
-    """A free port on each of the workers that answer within ANSWER_TIMEOUT_S. One that does not
+    """A free port on each of the workers that answer within knobs.ANSWER_TIMEOUT_S. One that does not
     is frozen (its process stopped, its machine hung) or its event loop is busy (a warm import
     of torch in a worker that just joined): it is not given a rank now. Each worker is asked
     on its own, all at once: one call to all of them tells nothing when one is silent, and
-    asking them one by one would wait ANSWER_TIMEOUT_S for every silent one."""
+    asking them one by one would wait knobs.ANSWER_TIMEOUT_S for every silent one."""
 
     def ask(addr: str) -> dict[str, Any]:
         with contextlib.suppress(TimeoutError):
             return client.run(free_port, workers=[addr], on_error="return",
-                              callback_timeout=ANSWER_TIMEOUT_S)
+                              callback_timeout=knobs.ANSWER_TIMEOUT_S)
         return {}
 
     with ThreadPoolExecutor(max_workers=min(32, len(addrs) or 1)) as pool:
@@ -229,7 +225,7 @@ class WorkerGroup:
         """The journals of this attempt's ranks (`ft_train.journal`), once the group has
         stopped: rank -> {"index": the last report that returned, "messages": [...]}. Read
         through each node's nanny, which outlives its worker, all nodes at once; a node whose
-        nanny is gone or silent within ANSWER_TIMEOUT_S (a lost node), and those in `skip`, are
+        nanny is gone or silent within knobs.ANSWER_TIMEOUT_S (a lost node), and those in `skip`, are
         left out: what their ranks sent is all there is. A worker without a nanny is asked
         itself, if it still runs."""
         key = run_key(self.storage_uri)
@@ -243,7 +239,7 @@ class WorkerGroup:
                 function=pickle.dumps(journal.collect), args=pickle.dumps((key, self.attempt_id))
             )
             try:
-                answer = await asyncio.wait_for(call, ANSWER_TIMEOUT_S)
+                answer = await asyncio.wait_for(call, knobs.ANSWER_TIMEOUT_S)
             except (OSError, asyncio.TimeoutError):
                 return {}  # gone, or frozen: its node's journals are lost with it
             if answer.get("status") != "OK":  # its function raised: logged on that node
@@ -254,7 +250,7 @@ class WorkerGroup:
             return await asyncio.gather(*(read(a) for a in where.values()))
 
         found: dict[int, dict[str, Any]] = {}
-        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
+        with dask.config.set({"distributed.comm.timeouts.connect": knobs.KILL_CONNECT_TIMEOUT}):
             for answer in self.client.sync(read_all):
                 found.update(answer)
         return found
@@ -307,7 +303,7 @@ class WorkerGroup:
     def kill(self, addresses: list[str], only_known: bool = True) -> None:
         """Exit the workers' processes now: `_hard_exit` runs in their event loop, so it works
         even while a rank's thread is blocked. A worker that is already gone is no error, nor is
-        one that does not answer within ANSWER_TIMEOUT_S (its event loop does not run: the
+        one that does not answer within knobs.ANSWER_TIMEOUT_S (its event loop does not run: the
         scheduler drops it after `worker-ttl`, and the caller does not use it again).
         `only_known=False` also reaches workers the scheduler no longer lists (retired ones)."""
         if only_known:
@@ -319,12 +315,12 @@ class WorkerGroup:
 
     def _run_bounded(self, fn: Callable, *args: Any, workers: list[str], wait: bool = True) -> None:
         """`fn(*args)` on the workers' event loops, giving up on those that are gone or do not
-        answer within ANSWER_TIMEOUT_S (the scheduler's own signals, or the watchdog, tell the
+        answer within knobs.ANSWER_TIMEOUT_S (the scheduler's own signals, or the watchdog, tell the
         controller about them)."""
-        with dask.config.set({"distributed.comm.timeouts.connect": KILL_CONNECT_TIMEOUT}):
+        with dask.config.set({"distributed.comm.timeouts.connect": knobs.KILL_CONNECT_TIMEOUT}):
             try:
                 self.client.run(fn, *args, workers=workers, wait=wait, on_error="ignore",
-                                callback_timeout=ANSWER_TIMEOUT_S)
+                                callback_timeout=knobs.ANSWER_TIMEOUT_S)
             except TimeoutError:
                 logger.warning("ft-train: workers %s did not answer %s", workers, fn.__name__)
 

@@ -14,7 +14,7 @@ from ft_train.controller import (
     Callback, Controller, Draining, Errored, Finished, GroupPlan, Preempting, Resizing,
     Restarting, Running,
 )
-from ft_train.controller import group_events
+from ft_train import knobs
 from ft_train.protocol import Report, Reported
 from ft_train.errors import RunLockedError, SessionError, TrainingFailedError, WorkerGroupError
 from ft_train.run_state import RunState, RunStore
@@ -44,8 +44,8 @@ class Recorder(Callback):
 @pytest.fixture(autouse=True)
 def quick_judgements(monkeypatch):
     """The controller's waits, at test speed (the knobs the real runs use are seconds)."""
-    monkeypatch.setattr(group_events, "COLLATERAL_WAIT_S", 0.02)
-    monkeypatch.setattr(group_events, "NOTICE_SLACK_S", 0.0)
+    monkeypatch.setattr(knobs, "COLLATERAL_WAIT_S", 0.02)
+    monkeypatch.setattr(knobs, "NOTICE_SLACK_S", 0.0)
 
 
 @pytest.fixture
@@ -57,7 +57,8 @@ def make(tmp_path):
         cfg = ft_train.CheckpointConfig(**failure.pop("checkpoint", {}))
         plan = GroupPlan(train_loop="x:y", config={}, name="run", storage=storage,
                          min_workers=min(ranks, failure.pop("min_workers", ranks)),
-                         max_workers=ranks, use_gpu=False, start_timeout_s=1.0)
+                         max_workers=ranks, use_gpu=False, start_timeout_s=1.0,
+                         collective_timeout_s=1800.0, agreement_interval_s=0.0, elastic_wait_s=0.0)
         cluster, recorder = FakeCluster(workers), Recorder()
         failure.setdefault("hang_timeout_s", None)
         ctl = Controller(cluster, plan, state, store, CheckpointManager(storage, store, cfg),
@@ -153,9 +154,7 @@ def test_ranks_that_reported_unequally_end_the_run_at_once(make):
 
 
 def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make, monkeypatch):
-    from ft_train.controller import controller as module
-
-    monkeypatch.setattr(module, "REPORT_DRAIN_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(knobs, "REPORT_DRAIN_TIMEOUT_S", 0.05)
     ctl, _, _ = make(max_failures=1)
     started(ctl).returned(reports=3)
     with pytest.raises(WorkerGroupError, match="never reached the driver"):

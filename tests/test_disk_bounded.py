@@ -23,7 +23,7 @@ import fsspec
 import pytest
 
 import ft_train
-from ft_train import download_cache
+from ft_train import download_cache, knobs
 from ft_train.checkpoint import Checkpoint
 from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.config import CheckpointConfig
@@ -128,16 +128,16 @@ def test_disk_stays_flat_over_hundreds_of_restores(node, remote):
     peaks = {"cache": 0, "staging": 0}
     for number in range(restores + 1):  # the first attempt starts from scratch
         attempt(storage, manager, state, number, peaks, node)
-        assert len(cache_entries(node)) <= download_cache.KEEP
+        assert len(cache_entries(node)) <= knobs.DOWNLOAD_CACHE_KEEP
         assert disk_bytes(node / STAGING) == 0  # every snapshot and staging directory went
 
     entry = 2 * FILE_BYTES + 1024  # a checkpoint's files and its manifest
     downloaded = restores * 2 * FILE_BYTES  # what the cache held before it was evicted
     print(f"\n{restores} restores: {downloaded} bytes downloaded; peak {peaks['cache']} bytes "
           f"in the cache, {peaks['staging']} in staging")
-    assert peaks["cache"] <= download_cache.KEEP * entry
+    assert peaks["cache"] <= knobs.DOWNLOAD_CACHE_KEEP * entry
     assert peaks["staging"] <= 2 * FILE_BYTES  # one checkpoint, its snapshot hard-linked
-    assert disk_bytes(node / download_cache.CACHE) <= download_cache.KEEP * entry
+    assert disk_bytes(node / download_cache.CACHE) <= knobs.DOWNLOAD_CACHE_KEEP * entry
 
 
 # -- what eviction must never remove, and what it must ---------------------------------------------
@@ -145,9 +145,9 @@ def test_disk_stays_flat_over_hundreds_of_restores(node, remote):
 
 def test_an_entry_in_use_survives_eviction(node, remote, tmp_path):
     storage = Storage(remote)
-    target, *others = commit_plain(storage, "in-use", download_cache.KEEP + 3, tmp_path)
+    target, *others = commit_plain(storage, "in-use", knobs.DOWNLOAD_CACHE_KEEP + 3, tmp_path)
     with target.as_directory() as d:
-        for ckpt in others:  # each download evicts what is past KEEP, but not what is open
+        for ckpt in others:  # each download evicts what is past DOWNLOAD_CACHE_KEEP, but not what is open
             with ckpt.as_directory():
                 pass
         assert read_dir(d) == checkpoint_files("in-use-1")
@@ -155,7 +155,7 @@ def test_an_entry_in_use_survives_eviction(node, remote, tmp_path):
     with others[0].as_directory():  # closed now: the next download evicts it
         pass
     assert download_cache.key_of(target.path) not in cache_entries(node)
-    assert len(cache_entries(node)) == download_cache.KEEP
+    assert len(cache_entries(node)) == knobs.DOWNLOAD_CACHE_KEEP
 
 
 def test_two_ranks_restoring_one_checkpoint_at_once_share_it(node, remote, tmp_path):
@@ -178,7 +178,7 @@ def test_two_ranks_restoring_one_checkpoint_at_once_share_it(node, remote, tmp_p
         for t in threads:
             t.join(60)
         assert seen[0] == seen[1] and seen[0][1] == checkpoint_files(f"pair-{i}"), f"round {i}"
-        assert len(cache_entries(node)) <= download_cache.KEEP
+        assert len(cache_entries(node)) <= knobs.DOWNLOAD_CACHE_KEEP
 
 
 # A rank process on the node, killed (SIGKILL) while one thread has checkpoint 1 open and another
@@ -218,7 +218,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint, tmp_path):
     target = make_s3_target(s3_endpoint)
     storage = Storage(target.path, target.options)
-    ckpts = commit_plain(storage, "killed", download_cache.KEEP + 3, tmp_path)
+    ckpts = commit_plain(storage, "killed", knobs.DOWNLOAD_CACHE_KEEP + 3, tmp_path)
     args = dict(node=str(node), urls=[c.path for c in ckpts[:2]], options=target.options)
     proc = subprocess.run([sys.executable, "-c", KILLED_RANK, json.dumps(args)], cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
@@ -235,7 +235,7 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
             assert read_dir(d) == checkpoint_files(f"killed-{i}")
     assert not left & cache_entries(node), os.listdir(cache)
     assert not any(".partial-" in n for n in os.listdir(cache))
-    assert len(cache_entries(node)) == download_cache.KEEP
-    assert disk_bytes(cache) <= download_cache.KEEP * (2 * FILE_BYTES + 1024)
+    assert len(cache_entries(node)) == knobs.DOWNLOAD_CACHE_KEEP
+    assert disk_bytes(cache) <= knobs.DOWNLOAD_CACHE_KEEP * (2 * FILE_BYTES + 1024)
     with ft_train.staging_dir():  # the node's next staging sweeps the dead process's
         assert disk_bytes(node / STAGING) == 0

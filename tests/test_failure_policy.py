@@ -1,5 +1,6 @@
 """The failure policy's decision and the error that ends a run, on run states built in memory."""
 
+from ft_train import knobs
 from ft_train.policy import failure as failure_policy
 from ft_train.config import FailureConfig
 from ft_train.policy.failure import Decision
@@ -44,9 +45,9 @@ def test_charged_failures_since_the_budget_was_reset_are_the_ones_listed():
 def test_a_group_that_keeps_failing_to_start_ends_the_run_whatever_the_budget():
     state = RunState(name="r")
     config = FailureConfig(max_failures=-1)
-    for i in range(failure_policy.START_FAILURE_LIMIT):
+    for i in range(knobs.START_FAILURE_LIMIT):
         failure = FailureRecord(kind="exception", rank=0, step=0, error=f"rendezvous {i}")
         decision, error = judged(state, failure, config, start_failures=i + 1)
     assert decision is Decision.RAISE
-    assert f"failed to start {failure_policy.START_FAILURE_LIMIT} times in a row" in str(error)
+    assert f"failed to start {knobs.START_FAILURE_LIMIT} times in a row" in str(error)
     assert "GLOO_SOCKET_IFNAME" in str(error)

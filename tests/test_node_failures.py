@@ -13,7 +13,7 @@ from distributed import Client
 
 import ft_train
 from ft_train.rank import free_port
-from ft_train.session import AGREE_EVERY_MAX
+from ft_train.knobs import AGREE_EVERY_MAX
 from tests.conftest import StorageTarget, on_storage
 from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
 
@@ -271,7 +271,7 @@ def test_frozen_idle_workers_are_passed_over_when_a_group_starts(tmp_path, clust
     ANSWER_TIMEOUT_S, and the ranks start on w3 and w4. Each worker is asked on its own, all at
     once: asking them one by one took ANSWER_TIMEOUT_S per frozen worker (15 s here), and
     before that, asking w0 for the rendezvous port waited until the scheduler dropped it."""
-    from ft_train.worker_group import ANSWER_TIMEOUT_S
+    from ft_train.knobs import ANSWER_TIMEOUT_S
 
     storage = StorageTarget("local", str(tmp_path / "runs"))
     for name in ("w3", "w4"):

@@ -29,7 +29,8 @@ from ft_train import preemption
 from ft_train.checkpoint import MANIFEST, Checkpoint
 from ft_train.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
 from ft_train.rank import _control_group, free_port
-from ft_train.session import AGREE_EVERY_MAX, RankSpec, Session
+from ft_train.knobs import AGREE_EVERY_MAX
+from ft_train.session import RankSpec, Session
 from ft_train.storage import Storage, file_digest
 from ft_train.uploads import Uploads
 from tests.helpers import load_state, wait_for
@@ -44,6 +45,7 @@ def spec(storage: Storage, rank: int = 0, world: int = 1, name: str = "run") -> 
         local_world_size=world, node_rank=0, name=name, attempt=0, attempt_id=ATTEMPT_ID,
         master_addr="127.0.0.1", master_port=0, backend="gloo", use_gpu=False, storage=storage,
         checkpoint_dir=None, start_report_index=0, topic="unused",
+        collective_timeout_s=1800.0, agreement_interval_s=0.0,
     )
 
 

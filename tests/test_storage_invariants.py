@@ -117,6 +117,7 @@ def rank_spec(storage: Storage, name: str, rank: int, world: int, attempt: int, 
         local_world_size=world, node_rank=0, name=name, attempt=attempt, attempt_id=attempt_id,
         master_addr="127.0.0.1", master_port=0, backend="gloo", use_gpu=False, storage=storage,
         checkpoint_dir=None, start_report_index=start_index, topic="unused",
+        collective_timeout_s=1800.0, agreement_interval_s=0.0,
     )
 
 

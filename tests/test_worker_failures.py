@@ -219,7 +219,7 @@ def test_a_frozen_worker_process_is_left_behind_and_the_run_goes_on(tmp_path):
     that hangs). The watchdog finds the hang; the kill of a worker that cannot answer gives up
     after ANSWER_TIMEOUT_S instead of holding the recovery until the scheduler drops the worker
     (worker-ttl, 60 s), and the new group runs without it (the spare takes its place)."""
-    from ft_train.worker_group import ANSWER_TIMEOUT_S
+    from ft_train.knobs import ANSWER_TIMEOUT_S
 
     storage = StorageTarget("local", str(tmp_path / "runs"))
     failure = recovered_from_hang(storage, "frozen", fault(tmp_path, 1, 7, kind="freeze"), 5.0)

@@ -24,6 +24,7 @@ def test_report_does_not_wait_for_the_driver(tmp_path):
             master_port=client.run(free_port, workers=[addr])[addr], backend="gloo",
             use_gpu=False, storage=Storage(str(tmp_path)), checkpoint_dir=None,
             start_report_index=0, topic="ft-train-nobody-listens",
+            collective_timeout_s=1800.0, agreement_interval_s=0.0,
         )
         done = client.submit(run_rank, spec, workers=[addr], pure=False).result(timeout=120)
     assert done == {"rank": 0, "reports": 500}
@@ -70,7 +71,8 @@ def test_a_group_that_cannot_start_says_how_many_workers_the_run_lost_before(tmp
         addr = next(iter(client.scheduler_info()["workers"]))
         plan = GroupPlan(train_loop="tests.loops:report_many", config={}, name="lost-before",
                          storage=Storage(str(tmp_path)), min_workers=1, max_workers=1,
-                         use_gpu=False, start_timeout_s=0.5)
+                         use_gpu=False, start_timeout_s=0.5, collective_timeout_s=1800.0,
+                         agreement_interval_s=0.0, elastic_wait_s=0.0)
         with pytest.raises(WorkerStartupError) as err:
             await_workers(client, plan, exclude={addr, "tcp://127.0.0.1:1"})
     assert "only 0 of 1 Dask workers" in str(err.value)

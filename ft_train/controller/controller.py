@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence
 
+from .. import knobs
 from ..checkpoint_manager import CheckpointManager
 from ..config import FailureConfig
 from ..errors import (
@@ -36,13 +37,6 @@ from .state import (
 
 logger = logging.getLogger("ft_train")
 
-# How long the other ranks of a failed group get to fail on their own before their processes
-# are killed. gloo notices a dead peer at once; NCCL may not, and a CUDA context is not to be
-# trusted after a failure, so GPU ranks are always killed.
-STOP_GRACE_S = 3.0
-# After every rank returned, wait this long for their last reports still in flight.
-REPORT_DRAIN_TIMEOUT_S = 30.0
-PROGRESS_LOG_EVERY_S = 10.0
 
 
 @dataclass
@@ -180,7 +174,7 @@ class Controller:
         """A round every rank reported: commit its checkpoint, if it has one."""
         self.last_metrics = rnd.metrics
         if rnd.dir_name is None:
-            if time.monotonic() - self._last_progress_log > PROGRESS_LOG_EVERY_S:
+            if time.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
                 self._last_progress_log = time.monotonic()
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return s
@@ -241,7 +235,7 @@ class Controller:
                 f"ranks called report() a different number of times ({counts}); every rank must "
                 "call report() the same number of times"
             ))
-        return Draining(s.attempt, counts[0], time.monotonic() + REPORT_DRAIN_TIMEOUT_S)
+        return Draining(s.attempt, counts[0], time.monotonic() + knobs.REPORT_DRAIN_TIMEOUT_S)
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -323,7 +317,7 @@ class Controller:
 
     @property
     def stop_grace_s(self) -> float:
-        return 0.0 if self.plan.use_gpu else STOP_GRACE_S
+        return 0.0 if self.plan.use_gpu else knobs.STOP_GRACE_S
 
     def _attempt(self) -> int:
         return len(self.state.attempts) - 1

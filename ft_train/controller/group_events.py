@@ -10,6 +10,7 @@ import queue
 import time
 from typing import TYPE_CHECKING, Optional
 
+from .. import knobs
 from ..errors import RankFailure, RunLockedError, SessionError
 from ..policy.attribution import hung_rank, judge_suspect, laggard, lost_a_peer
 from ..protocol import (
@@ -22,12 +23,6 @@ from .state import Attempt, GroupState, Preempting, Resizing, Restarting, Runnin
 if TYPE_CHECKING:
     from .controller import Controller
 
-# A rank that failed because it lost a peer ("connection closed by peer", a collective timeout)
-# is judged after this long, so the failure is charged to its cause when that cause shows up.
-COLLATERAL_WAIT_S = 2.0
-# Workers given notice leave at their deadline; if the driver has heard nothing by this long
-# after it (a retired worker's process gone without a word), the group is stopped anyway.
-NOTICE_SLACK_S = 1.0
 
 
 def watch(ctl: "Controller", s: GroupState) -> State:
@@ -124,7 +119,7 @@ def _on_ended(ctl: "Controller", s: GroupState, event: RankEnded) -> State:
         if att.suspect is None and lost_a_peer(exc.error):
             # Most likely the echo of another rank's failure, whose own signal (a lost
             # worker, a killed process, a hung peer) may still be on its way: wait for it.
-            att.suspect = Suspect(rank, exc, time.monotonic() + COLLATERAL_WAIT_S)
+            att.suspect = Suspect(rank, exc, time.monotonic() + knobs.COLLATERAL_WAIT_S)
             return s
         return _rank_raised(ctl, s, rank, exc)
     if event.worker_died:
@@ -177,13 +172,13 @@ def _next_deadline(ctl: "Controller", s: GroupState) -> Optional[float]:
     if att.suspect is not None:
         waits.append(max(0.0, att.suspect.deadline - time.monotonic()))
     if isinstance(s, Preempting):
-        waits.append(max(0.0, s.deadline + NOTICE_SLACK_S - time.time()))
+        waits.append(max(0.0, s.deadline + knobs.NOTICE_SLACK_S - time.time()))
     return min((w for w in waits if w is not None), default=None)
 
 
 def _on_deadline(ctl: "Controller", s: GroupState) -> State:
     att = s.attempt
-    if isinstance(s, Preempting) and time.time() >= s.deadline + NOTICE_SLACK_S:
+    if isinstance(s, Preempting) and time.time() >= s.deadline + knobs.NOTICE_SLACK_S:
         return preempted(ctl, s, None)  # the notice ran out
     if att.suspect is not None and time.monotonic() >= att.suspect.deadline:
         return _judge_suspect(ctl, s, att.suspect)
@@ -198,7 +193,7 @@ def _judge_suspect(ctl: "Controller", s: GroupState, suspect: Suspect) -> State:
     gone = None
     if not isinstance(s, Preempting):
         # The group's workers the scheduler no longer lists. Should the lost event of one come
-        # later than COLLATERAL_WAIT_S after a peer's error (a loaded machine), a rank that only
+        # later than knobs.COLLATERAL_WAIT_S after a peer's error (a loaded machine), a rank that only
         # lost that peer would be blamed without this look, and its healthy worker killed.
         alive = ctl.cluster.alive()
         gone = next((r for r in ranks if att.group.addresses[r] not in alive), None)

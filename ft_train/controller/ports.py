@@ -23,10 +23,10 @@ class GroupPlan:
     min_workers: int
     max_workers: int
     use_gpu: bool
-    start_timeout_s: float
-    collective_timeout_s: float = 1800.0
-    agreement_interval_s: float = 0.0
-    elastic_wait_s: float = 0.0
+    start_timeout_s: float  # ScalingConfig.worker_start_timeout_s
+    collective_timeout_s: float  # FailureConfig.collective_timeout_s
+    agreement_interval_s: float  # FailureConfig.agreement_interval_s
+    elastic_wait_s: float  # ScalingConfig.elastic_wait_s
     warm: tuple[str, ...] = ()  # modules each worker imports beyond torch (ClusterConfig.preload)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 
+from .. import knobs
 from ..config import FailureConfig
 from ..errors import TrainingFailedError
 from ..run_state import FailureRecord, RunState
@@ -18,10 +19,6 @@ class Decision(enum.Enum):
     RAISE = "raise"
 
 
-# A worker group that fails this many times in a row before all of its ranks have joined the
-# process group (rendezvous errors, workers dying at start) ends the run, whatever max_failures
-# says: a restart cannot fix it, and with max_failures=-1 it would loop for ever.
-START_FAILURE_LIMIT = 3
 
 
 def decide(
@@ -34,7 +31,7 @@ def decide(
     """`state.failures` already holds `failure`; `start_failures` counts the groups in a row,
     this one included, that failed before every rank had started. A preemption is judged by
     its own budget; other uncharged failures (driver events) never RAISE."""
-    if start_failures >= START_FAILURE_LIMIT:
+    if start_failures >= knobs.START_FAILURE_LIMIT:
         return Decision.RAISE
     if failure.kind == "preemption":
         if max_preemption_failures == -1:
@@ -51,7 +48,7 @@ def final_error(
     """Why the run ends, after `decide` said RAISE: the budget it exceeded and the failures
     that spent it (those since the budget was last reset)."""
     recent = state.failures[state.budget_start :]
-    if start_failures >= START_FAILURE_LIMIT:
+    if start_failures >= knobs.START_FAILURE_LIMIT:
         return TrainingFailedError(
             f"training failed: the worker group failed to start {start_failures} "
             "times in a row (before every rank had joined the process group); a restart "

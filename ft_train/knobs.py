@@ -1,0 +1,60 @@
+"""ft-train's own waits and bounds, in one place, each with why it has its value.
+
+What a user chooses is in the configs (`config.py`); these are the implementation's. Modules
+read them at use time (`knobs.X`), so a test can set one here for the whole library.
+"""
+
+# -- on the ranks ----------------------------------------------------------------------------
+
+# A rank's reports go to the driver as one Dask event this often (a checkpoint's at once): each
+# event costs the scheduler and the driver their own handling; the journal keeps what a commit
+# needs meanwhile (bench/README.md has the figures).
+REPORT_BATCH_S = 0.5
+# An agreement starts at most this many reports after the previous one, whatever their pace.
+AGREE_EVERY_MAX = 16
+# A group stopped by the driver (a resize) gives its pending uploads this long to finish, so the
+# rounds they complete can still be committed; the rest are dropped.
+STOP_FLUSH_S = 10.0
+# A rank that failed (its own error or a peer's) gives them this long: less than STOP_GRACE_S.
+FAIL_FLUSH_S = 2.0
+# Asynchronous uploads pending at once: one uploading, one waiting absorbs a slow upload without
+# holding the rank; report() waits beyond that.
+MAX_IN_FLIGHT_UPLOADS = 2
+# Remote checkpoints kept in a node's download cache beyond those in use: the latest, and the
+# one a damaged latest falls back to.
+DOWNLOAD_CACHE_KEEP = 2
+
+# -- on the driver ---------------------------------------------------------------------------
+
+# The other ranks of a failed group get this long to fail on their own (gloo sees a dead peer at
+# once) before their processes are killed. GPU ranks are killed at once: NCCL may not notice,
+# and a CUDA context is not to be trusted after a failure.
+STOP_GRACE_S = 3.0
+# A rank that failed because it lost a peer is judged this long after, so the failure is charged
+# to its cause when the cause's own signal (a lost worker, a hung peer) comes in meanwhile.
+COLLATERAL_WAIT_S = 2.0
+# Workers given notice leave at their deadline; heard nothing by this long after it (a retired
+# worker gone without a word), the driver stops the group anyway.
+NOTICE_SLACK_S = 1.0
+# After every rank returned, their last reports still in flight are awaited this long.
+REPORT_DRAIN_TIMEOUT_S = 30.0
+# A metrics-only step is logged at most this often.
+PROGRESS_LOG_EVERY_S = 10.0
+# A worker that accepts a connection but never answers (its process or machine frozen) would hold
+# a group's start, a kill, a recovery or a Ctrl+C until the scheduler drops it: given up on then.
+ANSWER_TIMEOUT_S = 5.0
+# A worker that does not accept a connection by then is gone already.
+KILL_CONNECT_TIMEOUT = "3s"
+# Groups in a row that fail before every rank has joined end the run, whatever max_failures
+# says: a restart does not fix a rendezvous that cannot work, and -1 would loop for ever.
+START_FAILURE_LIMIT = 3
+# Warm spare workers a local CPU cluster starts beyond one per rank: a failed rank's place is
+# taken at once while its nanny restarts the lost process.
+SPARE_WORKERS = 1
+
+# -- the run's lease -------------------------------------------------------------------------
+
+# A holder on another machine that has not renewed for this long is taken over.
+LEASE_TTL_S = 30.0
+# Renewals per TTL: one every 5 s survives five failed renewals in a row.
+LEASE_RENEWALS_PER_TTL = 6
