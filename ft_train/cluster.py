@@ -30,12 +30,13 @@ from typing import Iterator, Optional, Sequence
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
+from . import knobs
 from .config import ClusterConfig, ScalingConfig
 from .controller.ports import GroupPlan
 from .errors import ConfigError
 from .preemption import PreemptionWatcher
 from .warm import WarmImports
-from .worker_group import ANSWER_TIMEOUT_S, WorkerGroup, more_workers_available
+from .worker_group import WorkerGroup, more_workers_available
 
 logger = logging.getLogger("ft_train")
 
@@ -50,21 +51,19 @@ DASK_SETTINGS = {
     # controller, with its traceback; Dask's own "Compute Failed" would say it twice.
     "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "critical",
     # Dask sets MALLOC_TRIM_THRESHOLD_=65536 in worker processes, which turns off glibc's
-    # adaptive mmap threshold: every large tensor becomes a fresh mmap and its page faults
-    # (bare DDP drops from 28.6 to 21.9 steps/s with it). None unsets it.
+    # adaptive mmap threshold: every large tensor becomes a fresh mmap and its page faults.
+    # None unsets it. (The figures behind these settings: bench/README.md.)
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     # A rank trains on a Dask executor thread, and glibc gives such a thread an arena of its own,
     # made of 64 MB heaps. When a step's allocations cross a heap's end, every step maps a fresh
-    # heap for one gradient and unmaps it when it is freed: ~50 000 page faults a second, in
-    # about one rank of two (which one depends on the layout); 24-25 steps/s instead of 27.
-    # One arena: the rank allocates from the process's main heap, as bare DDP's main thread does.
+    # heap for one gradient and unmaps it when it is freed. One arena: the rank allocates from
+    # the process's main heap, as bare DDP's main thread does.
     "distributed.nanny.pre-spawn-environ.MALLOC_ARENA_MAX": 1,
     # The statistical profiler samples every thread's stack every 10 ms, the rank's included.
     "distributed.worker.profile.enabled": False,
     # Every scheduler, nanny and worker wakes its event loop every 20 ms to time it (for a
     # "blocked event loop" warning after 3 s) and every 0.5 s to sample the system (dashboard
-    # metrics): 1.3% of a core per idle worker, 2.9% in the driver of a 3-worker cluster, taken
-    # from the ranks' cores and GIL; with these, 0.3% and 0.9%.
+    # metrics), taking the ranks' cores and GIL.
     "distributed.admin.tick.interval": "1s",
     "distributed.admin.system-monitor.interval": "2s",
     # Each rank's task is bound to its worker, and holds no data: work stealing (a scheduler
@@ -73,8 +72,6 @@ DASK_SETTINGS = {
     "distributed.scheduler.active-memory-manager.start": False,
 }
 
-# Local CPU clusters keep this many workers beyond the ranks, ready to take a failed one's place.
-SPARE_WORKERS = 1
 
 # What the fork server imports before it forks workers: what a rank needs (torch._dynamo is
 # imported by the first DistributedDataParallel, about a second).
@@ -115,11 +112,26 @@ def start_forkserver(preload: Sequence[str] = ()) -> bool:
         if getattr(server, "_forkserver_pid", None) is not None:
             return False
         env = _spawn_environ()
-        os.environ.update(env)  # the server inherits it (a nanny does the same before a spawn)
-        server.set_forkserver_preload(_preload([*server._preload_modules, *preload]))
-        server.ensure_running()
+        with _environ(env):  # the server inherits it, as a nanny's spawned worker would
+            server.set_forkserver_preload(_preload([*server._preload_modules, *preload]))
+            server.ensure_running()
         _forkserver_env = env
         return True
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment is `env` meanwhile (multiprocessing starts its fork server
+    with it, and takes no other), then the driver's own again: the workers' variables
+    (MALLOC_ARENA_MAX, ...) are not the driver's."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k in env.keys() - saved.keys():
+            os.environ.pop(k, None)
+        os.environ.update(saved)
 
 
 def _preload(wanted: list[str]) -> list[str]:
@@ -193,7 +205,7 @@ def _quiet_dask() -> Iterator[None]:
 def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[SpecCluster]:
     """A local cluster, under DASK_SETTINGS and its workers' start method for its whole life
     (nannies read them each time they start a worker); closed on exit."""
-    n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else SPARE_WORKERS)
+    n = cluster.n_workers or scaling.max_workers + (0 if scaling.use_gpu else knobs.SPARE_WORKERS)
     method, env = ("spawn", {}) if scaling.use_gpu else _worker_start(cluster.preload)
     settings = {**DASK_SETTINGS, "distributed.worker.multiprocessing-method": method}
     with dask.config.set(settings), _quiet_dask():
@@ -376,7 +388,7 @@ class DaskCluster:
 
     def watch_preemption(self, grace_s: float) -> None:
         # waited for: without it no worker gets notice of its preemption
-        self._register(PreemptionWatcher(grace_s), ANSWER_TIMEOUT_S, logger.warning)
+        self._register(PreemptionWatcher(grace_s), knobs.ANSWER_TIMEOUT_S, logger.warning)
 
     def warm(self, modules: tuple[str, ...]) -> None:
         # the run may be over before it is done: no matter, the workers only start cold

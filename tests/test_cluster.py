@@ -78,6 +78,17 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
     assert "worker-ttl" in seen[0]["scheduler_callbacks"]  # while the checks of those that are on run
 
 
+def test_starting_the_fork_server_leaves_the_drivers_environment_as_it_was():
+    code = (
+        "import os; from ft_train import cluster\n"
+        "before = dict(os.environ); assert cluster.start_forkserver()\n"
+        "assert cluster._forkserver_env['MALLOC_ARENA_MAX'] == '1'  # the workers' variables\n"
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, timeout=120)
+
+
 def test_a_variable_removed_since_the_fork_server_started_makes_workers_spawn(monkeypatch):
     assert cluster.start_forkserver()
     assert "AWS_DEFAULT_REGION" in cluster._forkserver_env  # conftest sets it before any server
@@ -122,7 +133,7 @@ def call(name, train_loop, resume="auto", **cluster_kw):
 
 out = {{}}
 out["address"] = call("address", "no_such_module_ft:fn", address="tcp://127.0.0.1:9")
-out["bad_loop"] = call("bad-loop", "no_such_module_ft:fn")  # fails in the flow, before any worker
+out["bad_loop"] = call("bad-loop", "no_such_module_ft:fn")  # fails before the flow starts anything
 taken.clear()
 out["trains"] = call("trains", "tests.loops:report_many")
 started.clear(); taken.clear()
@@ -153,7 +164,7 @@ def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_ta
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["address"] == ["TrainLoopImportError", False, [], 0], out  # nothing started
-    assert out["bad_loop"] == ["TrainLoopImportError", True, [], 0], out  # started, then closed
+    assert out["bad_loop"] == ["TrainLoopImportError", False, [], 0], out  # refused before it
     assert out["trains"] == [None, True, [True], 0], out  # the run took the cluster started ahead
     assert out["rerun"] == [None, True, [], 0, 0], out  # a finished run's: none started
     assert out["locked"] == ["RunLockedError", True, [], 0, 0], out  # nor a refused one's
