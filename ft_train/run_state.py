@@ -35,9 +35,8 @@ from .storage import Storage
 SCHEMA_VERSION = 2
 STATE_FILE = "run_state.json"
 INDEX_DIR = "checkpoint_index"
-# Entries per sealed chunk, and with num_to_keep=None the head's bound. A full head of 128 adds
-# about 0.5 ms to a rerun (validate, write back); 10 000 checkpoints are 79 chunk reads for the
-# readers of the full list.
+# Entries per sealed chunk, and with num_to_keep=None the head's bound: a rerun reads and
+# writes back a head of at most this many entries, whatever the run's length.
 INDEX_CHUNK = 128
 
 FailureKind = Literal[

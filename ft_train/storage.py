@@ -43,7 +43,7 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, err
 def _copy_chunk(fin: int, fout: int, offset: int, chunk: memoryview, in_kernel: bool) -> bool:
     """Write `chunk`, just read from `fin` at `offset`, to `fout` at the same offset. In the kernel
     where it can (copy_file_range, from the page cache the chunk was read through): a write from
-    a Python buffer into the page cache was measured 4-10x slower inside Dask worker processes.
+    a Python buffer into the page cache is several times slower inside Dask worker processes.
     Returns whether the kernel copy may be tried for the next chunk."""
     done, n = 0, len(chunk)
     while in_kernel and done < n:

@@ -57,6 +57,7 @@ READ_ONLY = {
     "__init__", "__getstate__", "__setstate__", "__repr__", "fs", "is_local", "_is_s3", "full",
     "uri", "read_bytes", "read_many", "_cat", "read_versioned", "list_dir",
     "download_files",  # writes local files only
+    "unusable",  # looks at the root, writes nothing
 }
 
 
