@@ -23,12 +23,12 @@ import multiprocessing  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ft_train.cli import DEMO_PRELOAD  # noqa: E402
+from deployments.demo import CLUSTER as DEMO_CLUSTER  # noqa: E402
 
 # Most tests train the demo on a local cluster: its workers' fork server imports what the demo
 # imports, as `ft-train demo` has it do (each failure replaces the group's processes). Python's
 # own hook, which ft-train honours as it does `ClusterConfig.preload`.
-multiprocessing.set_forkserver_preload(list(DEMO_PRELOAD))
+multiprocessing.set_forkserver_preload(list(DEMO_CLUSTER["preload"]))
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,11 @@ if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     sys.path.insert(0, args["repo"])
     import ft_train
+    from deployments import demo
     from flows.train import train
 
     train(
-        train_loop="ft_train.examples.digits:train_loop",
+        train_loop=demo.TRAIN_LOOP,
         train_loop_config=args["config"],
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(

@@ -8,13 +8,16 @@ import time
 import torch
 
 import ft_train
+from deployments import demo
 from ft_train.run_state import RunState, RunStore
 from ft_train.storage import Storage
 
-DEMO = "ft_train.examples.digits:train_loop"
+DEMO = demo.TRAIN_LOOP
 
 
 def run_config(storage, name, max_failures=0, **kw) -> ft_train.RunConfig:
+    """The demo's run identity on a test's storage. A failure budget of 0 unless a test asks
+    (the demo's is 1): a test that expects no failure fails at the first."""
     return ft_train.RunConfig(
         name=name,
         storage_path=storage.path,
@@ -24,8 +27,10 @@ def run_config(storage, name, max_failures=0, **kw) -> ft_train.RunConfig:
     )
 
 
-def demo_config(faults=(), epochs=1, checkpoint_every=5, **kw) -> dict:
-    return {"epochs": epochs, "checkpoint_every": checkpoint_every, "faults": list(faults), **kw}
+def demo_config(faults=(), epochs=1, **kw) -> dict:
+    """The demo's train_loop_config (`deployments/demo.py`), for 1 epoch unless a test asks: the
+    tests' runs are short. The fault steps the tests pick assume its checkpoint every 5 steps."""
+    return {**demo.TRAIN_LOOP_CONFIG, "epochs": epochs, "faults": list(faults), **kw}
 
 
 def fault(tmp_path, rank, step, kind="raise") -> dict:
@@ -33,7 +38,8 @@ def fault(tmp_path, rank, step, kind="raise") -> dict:
 
 
 def train_demo(
-    storage, name, config, max_failures=0, workers=2, use_gpu=False, **kw
+    storage, name, config, max_failures=0, workers=demo.SCALING_CONFIG["num_workers"],
+    use_gpu=False, **kw,
 ) -> ft_train.TrainResult:
     from flows.train import train
 

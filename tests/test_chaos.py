@@ -35,11 +35,10 @@ import torch
 
 import ft_train
 from ft_train.rank import free_port
-from tests.helpers import load_state, train_demo, wait_for
+from tests.helpers import DEMO, load_state, train_demo, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
 DASK = str(Path(sys.executable).parent / "dask")
-DEMO = "ft_train.examples.digits:train_loop"
 
 # 2 ranks x 750 images / batch 64 = 12 steps an epoch; 4 epochs = 48 steps
 CONFIG = {"epochs": 4, "checkpoint_every": 3, "batch_size": 64, "seed": 0}

@@ -7,7 +7,8 @@ import os
 import re
 
 import ft_train
-from ft_train import cli, driver
+from cli import main as cli
+from ft_train import driver
 from ft_train.run_state import STATE_FILE
 from tests.conftest import on_storage
 from tests.helpers import fresh
@@ -91,7 +92,7 @@ def test_output_cut_short_by_its_reader_ends_without_a_traceback(storage, tmp_pa
     reader, writer = os.pipe()
     os.close(reader)  # gone before the command writes a line
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "ft_train.cli", "status", "run", "--storage-path",
+    proc = subprocess.run([sys.executable, "-m", "cli", "status", "run", "--storage-path",
                            storage.path], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60,
                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=repo))
     os.close(writer)

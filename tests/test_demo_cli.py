@@ -44,7 +44,7 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 def ft_train_cli(env: dict[str, str], cwd, *args: str) -> subprocess.CompletedProcess:
     """`ft-train ARGS` in a child process; stdout and stderr together, as a terminal shows them."""
     return subprocess.run(
-        [sys.executable, "-m", "ft_train.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         env=env,
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -174,10 +174,10 @@ def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(cli_env, t
     assert RunStore(Storage(store), "cli-spent").load().status == "failed"
 
 
-def test_the_cli_module_does_not_import_prefect(cli_env, tmp_path):
-    """`ft_train` never imports Prefect: the demo imports the flow when it runs, and `status`
-    reads storage alone."""
-    code = "import sys, ft_train.cli; sys.exit('prefect' in sys.modules)"
+def test_the_cli_modules_do_not_import_prefect(cli_env, tmp_path):
+    """The command line imports Prefect only when the demo runs: `status` and `list` read
+    storage alone, and start as fast."""
+    code = "import sys, cli.main; sys.exit('prefect' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=cli_env, cwd=tmp_path).returncode == 0
 
 

@@ -1,5 +1,6 @@
 """The shape of the code: no import circle inside `ft_train`, and `ft_train` never imports
-Prefect (it is the library; `flows/` and `tasks/` are its Prefect adapters)."""
+Prefect nor its adapters (it is the library; `flows/`, `tasks/`, `cli/` and `deployments/` sit on
+the other side of the line)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,24 @@ def test_no_import_circle_inside_ft_train():
 
 def test_the_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+ADAPTERS = ("flows", "tasks", "cli", "deployments")
+
+
+def test_ft_train_never_imports_an_adapter():
+    """Not even inside a function, as the command line did while it lived in `ft_train`."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module]
+            else:
+                continue
+            found += [f"{name} imports {t}" for t in targets if t.split(".")[0] in ADAPTERS]
+    assert found == []
 
 
 def test_ft_train_never_imports_prefect():

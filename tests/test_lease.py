@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 import ft_train
-from ft_train import cli, driver
+from cli import main as cli
+from ft_train import driver
 from ft_train.errors import RunLockedError
 from ft_train.lease import LEASE_FILE, LeaseDoc, RunLease
 from ft_train.run_state import STATE_FILE, RunState, RunStore, now
@@ -67,7 +68,7 @@ def demo(target, name: str) -> subprocess.CompletedProcess:
     """`ft-train demo` for run `name`, as a user starts it."""
     options = [f"--storage-option={k}={v}" for k, v in target.options.items()]
     return subprocess.run(
-        [sys.executable, "-m", "ft_train.cli", "demo", "--name", name,
+        [sys.executable, "-m", "cli", "demo", "--name", name,
          "--storage-path", target.path, *options],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )

@@ -198,7 +198,7 @@ def recovered_from_hang(storage, name, hang, timeout_s):
     from flows.train import train
 
     result = train(
-        train_loop="ft_train.examples.digits:train_loop",
+        train_loop=DEMO,
         train_loop_config=demo_config([hang]),
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(

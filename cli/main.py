@@ -1,0 +1,47 @@
+"""The `ft-train` command line's entry point: the parser, and the dispatch to a command.
+
+    ft-train demo     train the digits example as the Prefect flow, on a local Dask cluster,
+                      in Prefect's ephemeral mode (no server to start); optionally crash a rank
+                      once to show a restart from the latest checkpoint (`cli/demo.py`)
+    ft-train status   print a stored run (status, checkpoints, failures, metrics, the config
+                      it last trained with, the driver that holds it); reads storage only
+    ft-train list     one line per run under a storage path; reads storage only (`cli/runs.py`)
+
+Exit codes: 0 success, 1 a failed or missing run, 2 bad arguments, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from . import demo, runs
+from .common import EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ft-train",
+        description="Fault-tolerant distributed PyTorch training as a Prefect flow on Dask.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo.add_parser(commands)
+    runs.add_parsers(commands)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        # Each command reports its usage errors with its own usage line.
+        return args.command_fn(args, args.command_parser)
+    except BrokenPipeError:  # `ft-train list | head`: the reader has what it wanted
+        # Python's own advice: point stdout at /dev/null, or the flush at exit fails again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
