@@ -32,11 +32,7 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 from . import knobs
 from .config import ClusterConfig, ScalingConfig
-from .controller.ports import GroupPlan
 from .errors import ConfigError
-from .preemption import PreemptionWatcher
-from .warm import WarmImports
-from .worker_group import WorkerGroup, more_workers_available
 
 logger = logging.getLogger("ft_train")
 
@@ -369,43 +365,3 @@ def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Clie
                 local = stack.enter_context(_local_cluster(cluster, scaling))
             client = stack.enter_context(Client(local, set_as_default=False))
         yield client
-
-
-class DaskCluster:
-    """What the controller sees of a Dask cluster (`controller.ports.Cluster`)."""
-
-    def __init__(self, client: Client):
-        self.client = client
-
-    def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
-        return WorkerGroup(self.client, attempt, events, run_uri)
-
-    def alive(self) -> set[str]:
-        return set(self.client.scheduler_info(n_workers=-1)["workers"])
-
-    def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
-        return more_workers_available(self.client, plan, current, exclude)
-
-    def watch_preemption(self, grace_s: float) -> None:
-        # waited for: without it no worker gets notice of its preemption
-        self._register(PreemptionWatcher(grace_s), knobs.ANSWER_TIMEOUT_S, logger.warning)
-
-    def warm(self, modules: tuple[str, ...]) -> None:
-        # the run may be over before it is done: no matter, the workers only start cold
-        self._register(WarmImports(modules), 0.0, logger.debug)
-
-    def _register(self, plugin, wait_s: float, failed) -> None:
-        """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for
-        the workers that join later at once, then hands it to every worker in one broadcast,
-        which a frozen worker holds until the scheduler drops it (worker-ttl): so on a thread.
-        The workers that answer have it within milliseconds."""
-
-        def register() -> None:
-            try:
-                self.client.register_plugin(plugin)
-            except Exception as e:
-                failed(f"ft-train: could not register {plugin.name} ({type(e).__name__}: {e})")
-
-        thread = threading.Thread(target=register, name=plugin.name, daemon=True)
-        thread.start()
-        thread.join(wait_s)

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 from . import resume
 from .checkpoint_manager import CheckpointManager
 from .config import RunConfig, ScalingConfig
-from .cluster import DaskCluster
 from .controller import Callback, Controller, GroupPlan
 from .errors import ConfigError, RunLockedError, StorageError
 from .lease import LEASE_FILE, RunLease
@@ -21,6 +20,7 @@ from .rank import load_train_loop
 from .result import TrainResult
 from .run_state import STATE_FILE, FailureRecord, RunState, RunStore
 from .storage import Storage
+from .worker_group import DaskCluster
 
 logger = logging.getLogger("ft_train")
 

@@ -20,9 +20,9 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 import uuid
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection
 
@@ -30,16 +30,16 @@ import dask
 from distributed import Client, KilledWorker
 from distributed.protocol import pickle
 
-from . import knobs
-from . import journal, preemption
+from . import journal, knobs, preemption
 from .controller.ports import GroupPlan
 from .errors import WorkerStartupError
 from .journal import run_key
+from .preemption import PreemptionWatcher
 from .policy.elastic import enough, should_grow
 from .protocol import GroupEvent, PreemptNotice, RankEnded, Reported, WorkerLost, message
 from .rank import free_port, run_rank
 from .session import RankSpec
-from .storage import Storage
+from .warm import WarmImports
 
 logger = logging.getLogger("ft_train")
 
@@ -142,43 +142,17 @@ class WorkerGroup:
     ) -> None:
         addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
-        hosts = sorted({info[a]["host"] for a in addrs})
-        per_host: dict[str, list[str]] = defaultdict(list)
-        for a in addrs:
-            per_host[info[a]["host"]].append(a)
-        master_addr, master_port = info[addrs[0]]["host"], ports[addrs[0]]
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
         self.hosts = {a: info[a]["host"] for a in addrs}
-
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
         self.client.subscribe_topic(self.topic, self._on_reports)
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self.client.subscribe_topic(preemption.TOPIC, self._on_preemption_notice)
+        master = (self.hosts[addrs[0]], ports[addrs[0]])  # rank 0's worker hosts the rendezvous
         for rank, addr in enumerate(addrs):
-            host = info[addr]["host"]
-            spec = RankSpec(
-                train_loop=plan.train_loop,
-                config=plan.config,
-                rank=rank,
-                world_size=len(addrs),
-                local_rank=per_host[host].index(addr),
-                local_world_size=len(per_host[host]),
-                node_rank=hosts.index(host),
-                name=plan.name,
-                attempt=self.attempt,
-                attempt_id=self.attempt_id,
-                master_addr=master_addr,
-                master_port=master_port,
-                backend="nccl" if plan.use_gpu else "gloo",
-                use_gpu=plan.use_gpu,
-                storage=plan.storage,
-                checkpoint_dir=checkpoint_dir,
-                start_report_index=start_report_index,
-                topic=self.topic,
-                collective_timeout_s=plan.collective_timeout_s,
-                agreement_interval_s=plan.agreement_interval_s,
-            )
+            spec = self._spec(plan, rank, master, checkpoint_dir, start_report_index)
+            gpu = plan.use_gpu and info[addr].get("resources", {}).get("GPU")
             fut = self.client.submit(
                 run_rank,
                 spec,
@@ -186,12 +160,39 @@ class WorkerGroup:
                 workers=[addr],
                 allow_other_workers=False,
                 pure=False,
-                resources=({"GPU": 1} if info[addr].get("resources", {}).get("GPU") else None)
-                if plan.use_gpu
-                else None,
+                resources={"GPU": 1} if gpu else None,
             )
             fut.add_done_callback(lambda f, r=rank: self.events.put(_ended(self.attempt, r, f)))
             self.futures.append(fut)
+
+    def _spec(self, plan: GroupPlan, rank: int, master: tuple[str, int],
+              checkpoint_dir: str | None, start_report_index: int) -> RankSpec:
+        """What rank `rank` is started with: its place among the group's hosts and workers."""
+        hosts = sorted(set(self.hosts.values()))
+        host = self.hosts[self.addresses[rank]]
+        on_host = [a for a in self.addresses if self.hosts[a] == host]
+        return RankSpec(
+            train_loop=plan.train_loop,
+            config=plan.config,
+            rank=rank,
+            world_size=len(self.addresses),
+            local_rank=on_host.index(self.addresses[rank]),
+            local_world_size=len(on_host),
+            node_rank=hosts.index(host),
+            name=plan.name,
+            attempt=self.attempt,
+            attempt_id=self.attempt_id,
+            master_addr=master[0],
+            master_port=master[1],
+            backend="nccl" if plan.use_gpu else "gloo",
+            use_gpu=plan.use_gpu,
+            storage=plan.storage,
+            checkpoint_dir=checkpoint_dir,
+            start_report_index=start_report_index,
+            topic=self.topic,
+            collective_timeout_s=plan.collective_timeout_s,
+            agreement_interval_s=plan.agreement_interval_s,
+        )
 
     def _on_reports(self, event: tuple) -> None:
         for msg in event[1]:  # a rank's batch (rank.DaskSender)
@@ -343,3 +344,43 @@ def _ended(attempt: int, rank: int, future) -> RankEnded:
             return RankEnded(attempt, rank, error=e, worker_died=True)
     error = future.exception()
     return RankEnded(attempt, rank, error=error, worker_died=isinstance(error, KilledWorker))
+
+
+class DaskCluster:
+    """What the controller sees of a Dask cluster (`controller.ports.Cluster`)."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
+        return WorkerGroup(self.client, attempt, events, run_uri)
+
+    def alive(self) -> set[str]:
+        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
+        return more_workers_available(self.client, plan, current, exclude)
+
+    def watch_preemption(self, grace_s: float) -> None:
+        # waited for: without it no worker gets notice of its preemption
+        self._register(PreemptionWatcher(grace_s), knobs.ANSWER_TIMEOUT_S, logger.warning)
+
+    def warm(self, modules: tuple[str, ...]) -> None:
+        # the run may be over before it is done: no matter, the workers only start cold
+        self._register(WarmImports(modules), 0.0, logger.debug)
+
+    def _register(self, plugin, wait_s: float, failed) -> None:
+        """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for
+        the workers that join later at once, then hands it to every worker in one broadcast,
+        which a frozen worker holds until the scheduler drops it (worker-ttl): so on a thread.
+        The workers that answer have it within milliseconds."""
+
+        def register() -> None:
+            try:
+                self.client.register_plugin(plugin)
+            except Exception as e:
+                failed(f"ft-train: could not register {plugin.name} ({type(e).__name__}: {e})")
+
+        thread = threading.Thread(target=register, name=plugin.name, daemon=True)
+        thread.start()
+        thread.join(wait_s)
