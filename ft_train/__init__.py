@@ -20,7 +20,7 @@ from .errors import (
 )
 from .result import TrainResult
 from .run_state import FailureRecord
-from .preemption import PreemptionInfo
+from .protocol import PreemptionInfo
 from .session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
 from .uploads import staging_dir
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .protocol import Agreement, PreemptionInfo, decode_flags, encode_flags
+from .protocol import Agreement, decode_flags, encode_flags
 
 logger = logging.getLogger("ft_train")
 

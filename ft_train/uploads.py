@@ -38,7 +38,7 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from . import knobs
 from .errors import SessionError, StorageError
