@@ -74,35 +74,15 @@ def train_loop(config: dict[str, Any]) -> None:
     rank = ft_train.get_context().get_world_rank()
 
     train_set, val_set = datasets()
-    loader = DataLoader(
-        train_set,
-        batch_size=config.get("batch_size", 64),
-        shuffle=True,
-        num_workers=config.get("loader_workers", 0),
-        generator=torch.Generator().manual_seed(seed),  # keeps the global RNG for dropout alone
-    )
-    loader = ft_train.torch.prepare_data_loader(loader, seed=seed)
+    loader = make_loader(train_set, config, seed)
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = ft_train.torch.prepare_model(build_model(config.get("hidden", 128), config.get("dropout", 0.1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
     raw_model = getattr(model, "module", model)
     torch.manual_seed(seed + 1000 * (rank + 1))  # each rank's own dropout stream
 
-    epoch, batch, step, resumed_from = 0, 0, 0, None
-    checkpoint = ft_train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "train_state.pt"), weights_only=False)
-            raw_model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            epoch, batch, step = state["epoch"], state["batch"], state["step"]
-            world, saved_world = ft_train.get_context().get_world_size(), state.get("world_size")
-            if saved_world and saved_world != world:  # an elastic resize: same samples seen,
-                batch = batch * saved_world // world  # as near as the new sharding allows
-            rng = os.path.join(d, f"rng_rank{rank}.pt")
-            if os.path.exists(rng):
-                set_rng_state(torch.load(rng, weights_only=False))
-        resumed_from = step
+    epoch, batch, step = restore(raw_model, optimizer, rank)
+    resumed_from = step if ft_train.get_checkpoint() is not None else None
 
     loss_fn = nn.CrossEntropyLoss()
     while epoch < epochs:
@@ -137,6 +117,38 @@ def train_loop(config: dict[str, Any]) -> None:
                 return
             if done:
                 return
+
+
+def make_loader(train_set: TensorDataset, config: dict[str, Any], seed: int) -> DataLoader:
+    """The rank's shard of the training set, shuffled the same way on every rank and resume."""
+    loader = DataLoader(
+        train_set,
+        batch_size=config.get("batch_size", 64),
+        shuffle=True,
+        num_workers=config.get("loader_workers", 0),
+        generator=torch.Generator().manual_seed(seed),  # keeps the global RNG for dropout alone
+    )
+    return ft_train.torch.prepare_data_loader(loader, seed=seed)
+
+
+def restore(model, optimizer, rank: int) -> tuple[int, int, int]:
+    """Load the latest checkpoint, if any, into `model` and `optimizer` (and this rank's RNG);
+    the (epoch, batch, step) to go on from, (0, 0, 0) on a fresh run."""
+    checkpoint = ft_train.get_checkpoint()
+    if checkpoint is None:
+        return 0, 0, 0
+    with checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, "train_state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, batch, step = state["epoch"], state["batch"], state["step"]
+        world, saved_world = ft_train.get_context().get_world_size(), state.get("world_size")
+        if saved_world and saved_world != world:  # an elastic resize: same samples seen,
+            batch = batch * saved_world // world  # as near as the new sharding allows
+        rng = os.path.join(d, f"rng_rank{rank}.pt")
+        if os.path.exists(rng):
+            set_rng_state(torch.load(rng, weights_only=False))
+    return epoch, batch, step
 
 
 def report_with_checkpoint(metrics, rank, model, optimizer, epoch, batch, step) -> None:
