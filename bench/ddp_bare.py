@@ -1,6 +1,6 @@
 """The baseline: the same loop on torch.distributed directly, two processes, gloo, no framework.
 
-    python -m bench.ddp_bare FIGURE PARAMS_JSON OUT_JSON      (FIGURE: steady)
+python -m bench.ddp_bare FIGURE PARAMS_JSON OUT_JSON      (FIGURE: steady)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,10 +30,10 @@ class BareApi(Api):
         return DistributedDataParallel(model)
 
     @contextlib.contextmanager
-    def checkpoint_dir(self) -> Iterator[Optional[str]]:
+    def checkpoint_dir(self) -> Iterator[str | None]:
         yield None
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         pass  # no framework: nothing to report to
 
 
@@ -53,8 +53,10 @@ def steady(p: dict) -> dict:
     cfg = {"steps": p["steps"], "events": events, "report_every": 1}
     t_call = time.time()
     mp.spawn(_rank, args=(port, cfg), nprocs=2, join=True)
-    return {"run": {"t_call": t_call, "t_return": time.time(), "status": "finished"},
-            "events": read_events(events)}
+    return {
+        "run": {"t_call": t_call, "t_return": time.time(), "status": "finished"},
+        "events": read_events(events),
+    }
 
 
 def main() -> None:

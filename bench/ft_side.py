@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import ft_train
 from bench.workload import Api, read_events, run_loop
@@ -37,7 +37,7 @@ class FtApi(Api):
         return ft_train.torch.prepare_model(model)
 
     @contextlib.contextmanager
-    def checkpoint_dir(self) -> Iterator[Optional[str]]:
+    def checkpoint_dir(self) -> Iterator[str | None]:
         ckpt = ft_train.get_checkpoint()
         if ckpt is None:
             yield None
@@ -45,7 +45,7 @@ class FtApi(Api):
             with ckpt.as_directory() as d:
                 yield d
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ft_train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=mode)
 
@@ -121,7 +121,12 @@ def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int 
 
 
 def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
-    return {"rank": rank, "step": step, "kind": kind, "marker": os.path.join(p["workdir"], f"fault-{uuid.uuid4().hex[:6]}")}
+    return {
+        "rank": rank,
+        "step": step,
+        "kind": kind,
+        "marker": os.path.join(p["workdir"], f"fault-{uuid.uuid4().hex[:6]}"),
+    }
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -130,8 +135,13 @@ def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
 def recovery(p: dict) -> dict:
     """A rank SIGKILLs its own process at step 7 (checkpoint at step 5)."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
-           "faults": [fault(p, "kill")]}
+    cfg = {
+        "steps": 10,
+        "events": events,
+        "checkpoint_every": 5,
+        "report_every": 0,
+        "faults": [fault(p, "kill")],
+    }
     run = call_flow("recovery", cfg, p)
     return {"run": run, "events": read_events(events)}
 
@@ -142,22 +152,58 @@ def dask_cluster(workdir: str, n: int) -> Iterator[str]:
     each a nanny process with one single-threaded worker process under it."""
     from distributed import Client
 
-    env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
-               DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    env = dict(
+        os.environ,
+        DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
+        DASK_DISTRIBUTED__WORKER__DAEMON="False",
+    )
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     addr_file = os.path.join(workdir, "scheduler.json")
     log = open(os.path.join(workdir, "dask.log"), "ab")
-    procs = [subprocess.Popen(
-        [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
-         "--scheduler-file", addr_file], env=env, stdout=log, stderr=log, start_new_session=True)]
+    procs = [
+        subprocess.Popen(
+            [
+                dask,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--dashboard-address",
+                "127.0.0.1:0",
+                "--scheduler-file",
+                addr_file,
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    ]
     try:
         with Client(scheduler_file=addr_file, timeout="60s") as c:  # waits for the file
             address = c.scheduler.address
             for _ in range(n):
-                procs.append(subprocess.Popen(
-                    [dask, "worker", address, "--nthreads", "1", "--memory-limit", "0",
-                     "--no-dashboard", "--host", "127.0.0.1"],
-                    env=env, stdout=log, stderr=log, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            dask,
+                            "worker",
+                            address,
+                            "--nthreads",
+                            "1",
+                            "--memory-limit",
+                            "0",
+                            "--no-dashboard",
+                            "--host",
+                            "127.0.0.1",
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )
+                )
             c.wait_for_workers(n, timeout=120)
         yield address
     finally:
@@ -171,8 +217,13 @@ def node_loss(p: dict) -> dict:
     """A whole Dask worker (nanny and worker process) is SIGKILLed at rank 1's step 7; a third,
     spare worker takes its place."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
-           "faults": [fault(p, "node")]}
+    cfg = {
+        "steps": 10,
+        "events": events,
+        "checkpoint_every": 5,
+        "report_every": 0,
+        "faults": [fault(p, "node")],
+    }
     with dask_cluster(p["workdir"], 3) as address:
         run = call_flow("node-loss", cfg, p, cluster=ft_train.ClusterConfig(address=address))
     return {"run": run, "events": read_events(events)}
@@ -192,7 +243,11 @@ def cold_start(p: dict) -> dict:
 def steady(p: dict) -> dict:
     """Report metrics every step; steps/s and report() blocking time."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    run = call_flow("steady", {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)}, p)
+    run = call_flow(
+        "steady",
+        {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)},
+        p,
+    )
     return {"run": run, "events": read_events(events)}
 
 
@@ -223,11 +278,11 @@ def rehydrate(p: dict) -> dict:
     import gc
     import statistics
 
-    from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
-    from ft_train.driver import prepare_run
-    from ft_train.rank import load_train_loop
-    from ft_train.run_state import AttemptRecord, RunState, RunStore
-    from ft_train.storage import Storage
+    from ft_train.driver.prepare import prepare_run
+    from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+    from ft_train.storage.fs import Storage
+    from ft_train.storage.run_state import AttemptRecord, RunState, RunStore
+    from ft_train.worker.rank import load_train_loop
 
     path, opts = storage_target(p)
     local = os.path.join(p["workdir"], "ckpt")
@@ -240,15 +295,17 @@ def rehydrate(p: dict) -> dict:
         storage = Storage(path, opts)
         store = RunStore(storage, name)
         attempt_id = uuid.uuid4().hex
-        state = RunState(name=name, attempts=[AttemptRecord(attempt=0, attempt_id=attempt_id,
-                                                            world_size=2)])
+        state = RunState(
+            name=name, attempts=[AttemptRecord(attempt=0, attempt_id=attempt_id, world_size=2)]
+        )
         store.save(state)
         manager = CheckpointManager(storage, store, ft_train.CheckpointConfig(num_to_keep=None))
         for i in range(1, n + 1):
             dir_name = checkpoint_dir_name(i, 0, attempt_id)
             files = storage.upload_dir(local, f"{name}/{dir_name}")  # what report() uploads
-            manager.commit(state, dir_name, i, {"step": i, "loss": 1.0 / i, "t": time.time()},
-                           files, attempt=0)
+            manager.commit(
+                state, dir_name, i, {"step": i, "loss": 1.0 / i, "t": time.time()}, files, attempt=0
+            )
         state.status = "interrupted"  # the driver stopped; the rerun resumes it
         store.save(state)
         latest, head_entries, sealed = state.latest, len(state.checkpoints), state.sealed_chunks
@@ -264,15 +321,24 @@ def rehydrate(p: dict) -> dict:
             storage.write_atomic(store.path, raw)  # the same head each time
             gc.collect()
             t0 = time.perf_counter()
-            plan = prepare_run(TRAIN_LOOP, {}, ft_train.ScalingConfig(num_workers=2), run_config,
-                               log=lambda s: None)
+            plan = prepare_run(
+                TRAIN_LOOP,
+                {},
+                ft_train.ScalingConfig(num_workers=2),
+                run_config,
+                log=lambda s: None,
+            )
             times.append(time.perf_counter() - t0)
             plan.release()  # the run's lease: as the driver's end does (not measured)
             assert plan.state.latest == latest
         assert len(RunStore(storage, name).all_checkpoints(plan.state)) == n  # not measured
-        out[str(n)] = {"median_s": statistics.median(times), "min_s": min(times),
-                       "state_bytes": len(raw), "head_entries": head_entries,
-                       "sealed_chunks": sealed}
+        out[str(n)] = {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "state_bytes": len(raw),
+            "head_entries": head_entries,
+            "sealed_chunks": sealed,
+        }
     return {"rehydrate": out}
 
 
@@ -288,7 +354,9 @@ def warm(p: dict) -> dict:
     return {}
 
 
-FIGURES = {f.__name__: f for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate)}
+FIGURES = {
+    f.__name__: f for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate)
+}
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
 
 WARMUP_STEPS = 20
 WARMUP_TIMEOUT_S = 300.0
@@ -51,7 +50,7 @@ def max_stop_s() -> float:
     """The longest a run may stay stopped: four fifths of ft-train's worker-ttl."""
     from dask.utils import parse_timedelta
 
-    from ft_train.cluster import DASK_SETTINGS
+    from ft_train.driver.cluster import DASK_SETTINGS
 
     return 0.8 * parse_timedelta(DASK_SETTINGS["distributed.scheduler.worker-ttl"])
 
@@ -67,8 +66,19 @@ class Run:
         params = {"workdir": work, "steps": 10**7}  # never ends: killed after the last turn
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, "steady", json.dumps(params), os.path.join(work, "out.json")],
-                cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "steady",
+                    json.dumps(params),
+                    os.path.join(work, "out.json"),
+                ],
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def rank0(self, event: str) -> list[dict]:
@@ -127,7 +137,7 @@ class Run:
             pass
         self.proc.wait()
 
-    def rates(self, margin_s: float) -> tuple[Optional[float], list[float]]:
+    def rates(self, margin_s: float) -> tuple[float | None, list[float]]:
         """(steps/s over all turns, steps/s of each turn)."""
         ts = sorted(t for _, t in self.steps())
         n = dt = 0.0
@@ -189,8 +199,17 @@ def _send(pids: list[int], sig: int) -> None:
             pass
 
 
-def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10, slice_s: float = 5.0,
-            margin_s: float = 0.5, ranks_only: bool = False, baseline: Optional[str] = None) -> dict:
+def measure(
+    base: str,
+    env: dict,
+    cwd: str,
+    instances: int = 3,
+    cycles: int = 10,
+    slice_s: float = 5.0,
+    margin_s: float = 0.5,
+    ranks_only: bool = False,
+    baseline: str | None = None,
+) -> dict:
     """`instances` runs of each system taking `cycles` turns each, in the same order every cycle.
     Work directories and logs under `base`. `baseline`: another checkout of ft-train (an earlier
     commit), whose runs ("ft-train-baseline") take turns with the others."""
@@ -203,9 +222,11 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
     # A run waits through the others' turns; with ranks_only, its driver through its own as well.
     stop_s = (n - 1) * slice_s if not ranks_only else n * (slice_s + CATCH_UP_S)
     if stop_s > max_stop_s():
-        raise ValueError(f"{instances} instances of {len(systems)} systems taking {slice_s:g} s turns stop "
-                         f"each run for {stop_s:.0f} s, over {max_stop_s():.0f} s: ft-train's scheduler "
-                         "would drop its workers; use fewer instances or shorter turns")
+        raise ValueError(
+            f"{instances} instances of {len(systems)} systems taking {slice_s:g} s turns stop "
+            f"each run for {stop_s:.0f} s, over {max_stop_s():.0f} s: ft-train's scheduler "
+            "would drop its workers; use fewer instances or shorter turns"
+        )
     runs: list[tuple[str, Run]] = []
     try:
         for i in range(instances):
@@ -225,8 +246,13 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
     finally:
         for _, run in runs:
             run.kill()
-    out: dict = {"method": "interleaved", "instances": instances, "cycles": cycles, "slice_s": slice_s,
-                 "margin_s": margin_s}
+    out: dict = {
+        "method": "interleaved",
+        "instances": instances,
+        "cycles": cycles,
+        "slice_s": slice_s,
+        "margin_s": margin_s,
+    }
     for system in systems:
         rates = [run.rates(margin_s) for s, run in runs if s == system]
         overall = [r for r, _ in rates if r is not None]
@@ -247,7 +273,9 @@ def measure(base: str, env: dict, cwd: str, instances: int = 3, cycles: int = 10
     return out
 
 
-def report_times(base: str, env: dict, trees: dict[str, str], steps: int = 600, reps: int = 2) -> dict:
+def report_times(
+    base: str, env: dict, trees: dict[str, str], steps: int = 600, reps: int = 2
+) -> dict:
     """report()'s blocking time in runs of `steps` steps of each tree, one after the other,
     alternating `reps` times (`bench.workload.report_stats` over all of a tree's calls)."""
     from bench.workload import report_stats
@@ -261,9 +289,15 @@ def report_times(base: str, env: dict, trees: dict[str, str], steps: int = 600, 
             out = os.path.join(work, "out.json")
             params = {"workdir": work, "steps": steps}
             with open(work + ".log", "wb") as log:
-                subprocess.run([sys.executable, "-m", "bench.ft_side", "steady", json.dumps(params), out],
-                               cwd=tree, env={**env, "PYTHONPATH": tree}, stdout=log,
-                               stderr=subprocess.STDOUT, timeout=600, check=True)
+                subprocess.run(
+                    [sys.executable, "-m", "bench.ft_side", "steady", json.dumps(params), out],
+                    cwd=tree,
+                    env={**env, "PYTHONPATH": tree},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=600,
+                    check=True,
+                )
             with open(out) as f:
                 events[name] += json.load(f)["events"]
     return {name: report_stats(evs) for name, evs in events.items()}
@@ -271,8 +305,11 @@ def report_times(base: str, env: dict, trees: dict[str, str], steps: int = 600, 
 
 def restarted(out: dict) -> str:
     """The systems whose runs restarted during the turns, with how often; "" if none did."""
-    return ", ".join(f"{system} {f['restarts']}" for system, f in out.items()
-                     if isinstance(f, dict) and any(f.get("restarts", ())))
+    return ", ".join(
+        f"{system} {f['restarts']}"
+        for system, f in out.items()
+        if isinstance(f, dict) and any(f.get("restarts", ()))
+    )
 
 
 def main() -> None:
@@ -282,25 +319,48 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--instances", type=int, default=3, help="runs of each system (default 3)")
     p.add_argument("--cycles", type=int, default=10, help="turns each run takes (default 10)")
-    p.add_argument("--ranks-only", action="store_true",
-                   help="add ft-train runs whose turns let only the rank processes run")
-    p.add_argument("--baseline", metavar="DIR",
-                   help="another checkout of ft-train (e.g. `git worktree add DIR COMMIT`): its runs "
-                   "take turns with the others, and report() is timed in both")
+    p.add_argument(
+        "--ranks-only",
+        action="store_true",
+        help="add ft-train runs whose turns let only the rank processes run",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="another checkout of ft-train (e.g. `git worktree add DIR COMMIT`): its runs "
+        "take turns with the others, and report() is timed in both",
+    )
     args = p.parse_args()
     baseline = os.path.abspath(args.baseline) if args.baseline else None
     with tempfile.TemporaryDirectory(prefix="ft-interleave-") as base:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": repo, "PREFECT_HOME": os.path.join(base, "prefect-home"),
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # as bench.run's Suite
+        env = {
+            **os.environ,
+            "PYTHONPATH": repo,
+            "PREFECT_HOME": os.path.join(base, "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }  # as bench.run's Suite
         env.pop("PREFECT_API_URL", None)  # Prefect's ephemeral mode, as in bench.run's figure
-        out = measure(base, env, repo, args.instances, args.cycles, ranks_only=args.ranks_only,
-                      baseline=baseline)
-        reports = report_times(base, env, {"ft-train": repo, "ft-train-baseline": baseline}) if baseline else {}
+        out = measure(
+            base,
+            env,
+            repo,
+            args.instances,
+            args.cycles,
+            ranks_only=args.ranks_only,
+            baseline=baseline,
+        )
+        reports = (
+            report_times(base, env, {"ft-train": repo, "ft-train-baseline": baseline})
+            if baseline
+            else {}
+        )
     for system, f in out.items():
         if isinstance(f, dict):
             runs = ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])
-            turns = [len(t) for t in f["turns_steps_per_s"]]  # a turn with under 3 steps is left out
+            turns = [
+                len(t) for t in f["turns_steps_per_s"]
+            ]  # a turn with under 3 steps is left out
             counted = "" if min(turns) == args.cycles else f"; turns counted: {turns}"
             print(f"{system:20} {f['steps_per_s']:6.2f} steps/s (runs: {runs}{counted})")
     print(f"ft-train / bare DDP: {out['ratio']:.3f}")
@@ -311,8 +371,10 @@ def main() -> None:
     if baseline:
         print(f"ft-train at {baseline} / bare DDP: {out['ratio_baseline']:.3f}")
     for name, st in reports.items():
-        print(f"report() {name:20} median {st['median_ms']:.3f} ms, p99 {st['p99_ms']:.3f} ms "
-              f"({st['calls']} calls)")
+        print(
+            f"report() {name:20} median {st['median_ms']:.3f} ms, p99 {st['p99_ms']:.3f} ms "
+            f"({st['calls']} calls)"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 import uuid
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from bench.workload import Api, read_events, run_loop
 
@@ -33,7 +33,7 @@ class RayApi(Api):
         return ray.train.torch.prepare_model(model)
 
     @contextlib.contextmanager
-    def checkpoint_dir(self) -> Iterator[Optional[str]]:
+    def checkpoint_dir(self) -> Iterator[str | None]:
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
@@ -43,11 +43,15 @@ class RayApi(Api):
             with ckpt.as_directory() as d:
                 yield d
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         import ray.train
 
         ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        upload = ray.train.CheckpointUploadMode.ASYNC if mode == "async" else ray.train.CheckpointUploadMode.SYNC
+        upload = (
+            ray.train.CheckpointUploadMode.ASYNC
+            if mode == "async"
+            else ray.train.CheckpointUploadMode.SYNC
+        )
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=upload)
 
     def wait_committed(self, config: dict, step: int) -> None:
@@ -74,11 +78,15 @@ def storage_target(p: dict):
     import s3fs
 
     bucket = f"ray-{uuid.uuid4().hex[:10]}"
-    s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=p["s3_endpoint"], key="testing",
-                      secret="testing").mkdir(bucket)
+    s3fs.S3FileSystem(
+        skip_instance_cache=True, endpoint_url=p["s3_endpoint"], key="testing", secret="testing"
+    ).mkdir(bucket)
     fs = pyarrow.fs.S3FileSystem(
-        access_key="testing", secret_key="testing", region="us-east-1",
-        endpoint_override=p["s3_endpoint"].split("://", 1)[1], scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+        endpoint_override=p["s3_endpoint"].split("://", 1)[1],
+        scheme="http",
     )
     return f"{bucket}/runs", fs
 
@@ -104,11 +112,20 @@ def fit(name: str, config: dict, p: dict, max_failures: int = 1) -> dict:
     t_call = time.time()
     result = trainer.fit()
     t_return = time.time()
-    return {"t_call": t_call, "t_return": t_return, "status": "finished" if result.error is None else "failed"}
+    return {
+        "t_call": t_call,
+        "t_return": t_return,
+        "status": "finished" if result.error is None else "failed",
+    }
 
 
 def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
-    return {"rank": rank, "step": step, "kind": kind, "marker": os.path.join(p["workdir"], f"fault-{uuid.uuid4().hex[:6]}")}
+    return {
+        "rank": rank,
+        "step": step,
+        "kind": kind,
+        "marker": os.path.join(p["workdir"], f"fault-{uuid.uuid4().hex[:6]}"),
+    }
 
 
 @contextlib.contextmanager
@@ -127,8 +144,13 @@ def local_ray() -> Iterator[None]:
 
 def recovery(p: dict) -> dict:
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
-           "faults": [fault(p, "kill")]}
+    cfg = {
+        "steps": 10,
+        "events": events,
+        "checkpoint_every": 5,
+        "report_every": 0,
+        "faults": [fault(p, "kill")],
+    }
     with local_ray():
         run = fit("recovery", cfg, p)
     return {"run": run, "events": read_events(events)}
@@ -141,9 +163,16 @@ def node_loss(p: dict) -> dict:
     from ray.cluster_utils import Cluster
 
     events = os.path.join(p["workdir"], "events.jsonl")
-    cfg = {"steps": 10, "events": events, "checkpoint_every": 5, "report_every": 0,
-           "faults": [fault(p, "node")]}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cfg = {
+        "steps": 10,
+        "events": events,
+        "checkpoint_every": 5,
+        "report_every": 0,
+        "faults": [fault(p, "node")],
+    }
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
     try:
         for _ in range(3):
             cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
@@ -171,7 +200,11 @@ def cold_start(p: dict) -> dict:
 def steady(p: dict) -> dict:
     events = os.path.join(p["workdir"], "events.jsonl")
     with local_ray():
-        run = fit("steady", {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)}, p)
+        run = fit(
+            "steady",
+            {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)},
+            p,
+        )
     return {"run": run, "events": read_events(events)}
 
 
@@ -211,15 +244,22 @@ def rehydrate(p: dict) -> dict:
         name = f"rehydrate-{n}"
         sc = StorageContext(storage_path=path, experiment_dir_name=name, storage_filesystem=fs)
         results = [
-            _TrainingResultState(checkpoint_dir_name=f"checkpoint_{i:06d}",
-                                 metrics={"step": i, "loss": 1.0 / i, "t": time.time()})
+            _TrainingResultState(
+                checkpoint_dir_name=f"checkpoint_{i:06d}",
+                metrics={"step": i, "loss": 1.0 / i, "t": time.time()},
+            )
             for i in range(1, n + 1)
         ]
         snapshot = _CheckpointManagerState(
-            checkpoint_results=results, checkpoint_report_indices=list(range(1, n + 1)),
-            latest_checkpoint_result=results[-1], pending_training_results=[],
-            pending_validation_specs=[], current_report_index=n, validated_checkpoint_dir_names=[],
-            timed_out_validation_checkpoint_dir_names=[], failed_validation_checkpoint_dir_names=[],
+            checkpoint_results=results,
+            checkpoint_report_indices=list(range(1, n + 1)),
+            latest_checkpoint_result=results[-1],
+            pending_training_results=[],
+            pending_validation_specs=[],
+            current_report_index=n,
+            validated_checkpoint_dir_names=[],
+            timed_out_validation_checkpoint_dir_names=[],
+            failed_validation_checkpoint_dir_names=[],
         ).json()
         for r in results:  # the directories exist, as in a real run
             d = sc.build_checkpoint_path_from_name(r.checkpoint_dir_name)
@@ -238,8 +278,11 @@ def rehydrate(p: dict) -> dict:
             manager = CheckpointManager(checkpoint_config=CheckpointConfig(), storage_context=sc2)
             times.append(time.perf_counter() - t0)
             assert manager.latest_checkpoint_result is not None
-        out[str(n)] = {"median_s": statistics.median(times), "min_s": min(times),
-                       "state_bytes": size}
+        out[str(n)] = {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "state_bytes": size,
+        }
     return {"rehydrate": out}
 
 
@@ -261,7 +304,10 @@ def warm(p: dict) -> dict:
     return {}
 
 
-FIGURES = {f.__name__: f for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve)}
+FIGURES = {
+    f.__name__: f
+    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve)
+}
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from bench import interleave
 from bench import workload as W
@@ -66,11 +67,12 @@ class Suite:
         )
         for k in ("PREFECT_API_URL", "RAY_ADDRESS", "AWS_PROFILE"):
             self.env.pop(k, None)
-        self.s3_endpoint: Optional[str] = None
+        self.s3_endpoint: str | None = None
         self.n = 0
 
-    def child(self, module: str, figure: str, params: dict, env: Optional[dict] = None,
-              timeout: float = 600) -> dict:
+    def child(
+        self, module: str, figure: str, params: dict, env: dict | None = None, timeout: float = 600
+    ) -> dict:
         """Run one measurement in a fresh process; its JSON result, or {"error": ...}."""
         self.n += 1
         tag = f"{self.n:02d}-{module.split('.')[-1]}-{figure}"
@@ -82,7 +84,10 @@ class Suite:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, figure, json.dumps(params), out],
-                cwd=REPO, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**self.env, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             try:
@@ -104,7 +109,11 @@ class Suite:
 
 
 def _brief(params: dict) -> str:
-    keep = {k: v for k, v in params.items() if k in ("storage", "bytes", "mode", "steps", "ns", "configs")}
+    keep = {
+        k: v
+        for k, v in params.items()
+        if k in ("storage", "bytes", "mode", "steps", "ns", "configs")
+    }
     return json.dumps(keep) if keep else ""
 
 
@@ -122,9 +131,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
     import logging
+
+    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -157,8 +166,13 @@ def prefect_server(suite: Suite) -> Iterator[str]:
     env = {**suite.env, "PREFECT_HOME": os.path.join(suite.dir, "prefect-server-home")}
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     log = open(os.path.join(suite.logs, "prefect-server.log"), "wb")
-    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         t0 = time.time()
         _wait_http(f"http://127.0.0.1:{port}/api/health", proc, 240)
@@ -178,9 +192,15 @@ def prefect_server(suite: Suite) -> Iterator[str]:
 def ray_cluster(suite: Suite) -> Iterator[str]:
     """A Ray cluster kept running by a helper process; yields its address (for RAY_ADDRESS)."""
     log = open(os.path.join(suite.logs, "ray-cluster.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.ray_side", "serve", "{}"], cwd=REPO,
-                            env=suite.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=log, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.ray_side", "serve", "{}"],
+        cwd=REPO,
+        env=suite.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()  # the helper prints the address once Ray is up
         if not line:
@@ -200,7 +220,7 @@ def ray_cluster(suite: Suite) -> Iterator[str]:
 FT, RAY, DDP = "bench.ft_side", "bench.ray_side", "bench.ddp_bare"
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
@@ -215,14 +235,20 @@ def fig_recovery(s: Suite, kind: str) -> dict:
             r = s.child(module, figure, {})
             ev = r.get("events", [])
             detected = W.detection_s(ev, (r.get("run") or {}).get("failures", []))
-            runs.append({"s": W.recovery_s(ev), "detect_s": detected, "events": ev, "error": r.get("error")})
+            runs.append(
+                {"s": W.recovery_s(ev), "detect_s": detected, "events": ev, "error": r.get("error")}
+            )
         timed = sorted((x for x in runs if x["s"] is not None), key=lambda x: x["s"])
         median = timed[len(timed) // 2] if timed else runs[0]
         detect = sorted(x["detect_s"] for x in runs if x["detect_s"] is not None)
-        out[system] = {"s": median["s"], "runs_s": [x["s"] for x in runs], "events": median["events"],
-                       "detect_s": detect[len(detect) // 2] if detect else None,
-                       "detect_runs_s": [x["detect_s"] for x in runs],
-                       "error": next((x["error"] for x in runs if x["error"]), None)}
+        out[system] = {
+            "s": median["s"],
+            "runs_s": [x["s"] for x in runs],
+            "events": median["events"],
+            "detect_s": detect[len(detect) // 2] if detect else None,
+            "detect_runs_s": [x["detect_s"] for x in runs],
+            "error": next((x["error"] for x in runs if x["error"]), None),
+        }
     out["ratio"] = _ratio(out["ft-train"]["s"], out["ray"]["s"])
     return out
 
@@ -244,8 +270,15 @@ def fig_cold_start(s: Suite) -> dict:
             if "error" in r or first is None:
                 runs.append({"error": r.get("error", "no step"), "log_tail": r.get("log_tail")})
                 continue
-            runs.append({"s": first - r["run"]["t_call"], "total_s": r["run"]["t_return"] - r["run"]["t_call"],
-                         "import_s": r["import_s"], "events": ev, "t_call": r["run"]["t_call"]})
+            runs.append(
+                {
+                    "s": first - r["run"]["t_call"],
+                    "total_s": r["run"]["t_return"] - r["run"]["t_call"],
+                    "import_s": r["import_s"],
+                    "events": ev,
+                    "t_call": r["run"]["t_call"],
+                }
+            )
         timed = sorted(x["s"] for x in runs if "s" in x)
         return {"s": timed[len(timed) // 2] if timed else None, "runs": runs}
 
@@ -283,16 +316,22 @@ def fig_steady(s: Suite, with_ddp: bool) -> dict:
     if with_ddp:
         runs["ray-no-report"].append(s.child(RAY, "steady", {"steps": steps, "report_every": 0}))
     out: dict[str, Any] = {}
-    rate = {system: [W.throughput(r.get("events", []), warmup=3 if system == "ray" else 10) for r in rs]
-            for system, rs in runs.items()}
+    rate = {
+        system: [W.throughput(r.get("events", []), warmup=3 if system == "ray" else 10) for r in rs]
+        for system, rs in runs.items()
+    }
     for system, rs in runs.items():
         if not rs:
             continue
         rates = rate[system]
         rates = sorted(x for x in rates if x is not None)
         events = [e for r in rs for e in r.get("events", [])]
-        out[system] = {"steps_per_s": rates[len(rates) // 2] if rates else None, "runs_steps_per_s": rates,
-                       "report": W.report_stats(events), "error": next((r["error"] for r in rs if "error" in r), None)}
+        out[system] = {
+            "steps_per_s": rates[len(rates) // 2] if rates else None,
+            "runs_steps_per_s": rates,
+            "report": W.report_stats(events),
+            "error": next((r["error"] for r in rs if "error" in r), None),
+        }
     if with_ddp:
         out["pairs"] = [ft / ddp for ft, ddp in zip(rate["ft-train"], rate["ddp"]) if ft and ddp]
         # The figure compared with the target: the same runs taking turns (bench/interleave.py)
@@ -312,13 +351,27 @@ def fig_checkpoint(s: Suite) -> dict:
         for size in sizes:
             key = f"{size // MB} MB {storage}"
             out[key] = {}
-            systems = [("ft-train sync", FT, "sync", True), ("ft-train async", FT, "async", True),
-                       ("ray sync", RAY, "sync", True), ("ray async", RAY, "async", True)]
+            systems = [
+                ("ft-train sync", FT, "sync", True),
+                ("ft-train async", FT, "async", True),
+                ("ray sync", RAY, "sync", True),
+                ("ray async", RAY, "async", True),
+            ]
             if storage == "local":  # ft-train saving into a plain temporary directory, as Ray does
                 systems.append(("ft-train async, temp dir", FT, "async", False))
             for system, module, mode, staging in systems:
-                r = s.child(module, "checkpoint", {"storage": storage, "bytes": size, "mode": mode,
-                                                   "every": 3, "count": count, "staging": staging})
+                r = s.child(
+                    module,
+                    "checkpoint",
+                    {
+                        "storage": storage,
+                        "bytes": size,
+                        "mode": mode,
+                        "every": 3,
+                        "count": count,
+                        "staging": staging,
+                    },
+                )
                 st = W.stall_stats(r.get("events", []))
                 out[key][system] = st or {"error": r.get("error"), "log_tail": r.get("log_tail")}
     return out
@@ -332,15 +385,22 @@ def fig_rehydrate(s: Suite) -> dict:
         n_here = ns if storage == "local" else [10, 1000]  # 10 000 objects on moto take minutes
         out[storage] = {}
         for system, module in (("ft-train", FT), ("ray", RAY)):
-            r = s.child(module, "rehydrate", {"storage": storage, "ns": n_here, "repeat": 3 if s.quick else 5})
-            out[storage][system] = r.get("rehydrate") or {"error": r.get("error"), "log_tail": r.get("log_tail")}
+            r = s.child(
+                module,
+                "rehydrate",
+                {"storage": storage, "ns": n_here, "repeat": 3 if s.quick else 5},
+            )
+            out[storage][system] = r.get("rehydrate") or {
+                "error": r.get("error"),
+                "log_tail": r.get("log_tail"),
+            }
     return out
 
 
 # -- the table -------------------------------------------------------------------------------
 
 
-def _f(v: Optional[float], unit: str) -> str:
+def _f(v: float | None, unit: str) -> str:
     if v is None:
         return "n/a"
     if unit == "steps/s":
@@ -363,42 +423,94 @@ def rows(figs: dict) -> list[dict]:
     out = []
 
     def row(name, unit, ft, ray, target, met, note=""):
-        out.append({"figure": name, "ft-train": _f(ft, unit), "ray": _f(ray, unit),
-                    "ratio": f"{ft / ray:.2f}" if ft is not None and ray else "n/a",
-                    "target": target, "met": {True: "met", False: "MISSED", None: "n/a"}[met], "note": note})
+        out.append(
+            {
+                "figure": name,
+                "ft-train": _f(ft, unit),
+                "ray": _f(ray, unit),
+                "ratio": f"{ft / ray:.2f}" if ft is not None and ray else "n/a",
+                "target": target,
+                "met": {True: "met", False: "MISSED", None: "n/a"}[met],
+                "note": note,
+            }
+        )
 
     def cmp(ratio, limit, le=True):
         return None if ratio is None else (ratio <= limit if le else ratio >= limit)
 
     if "recovery" in figs:
         f = figs["recovery"]
-        row("recovery: rank SIGKILL -> first step after restore", "s", f["ft-train"]["s"], f["ray"]["s"],
-            "<= 0.2x Ray", cmp(f["ratio"], 0.2), _runs(f))
+        row(
+            "recovery: rank SIGKILL -> first step after restore",
+            "s",
+            f["ft-train"]["s"],
+            f["ray"]["s"],
+            "<= 0.2x Ray",
+            cmp(f["ratio"], 0.2),
+            _runs(f),
+        )
     if "node_loss" in figs:
         f = figs["node_loss"]
-        row("node-loss recovery: worker/node SIGKILL -> first step after restore", "s",
-            f["ft-train"]["s"], f["ray"]["s"], "<= 0.3x Ray", cmp(f["ratio"], 0.3), _runs(f))
+        row(
+            "node-loss recovery: worker/node SIGKILL -> first step after restore",
+            "s",
+            f["ft-train"]["s"],
+            f["ray"]["s"],
+            "<= 0.3x Ray",
+            cmp(f["ratio"], 0.3),
+            _runs(f),
+        )
     for name, what in (("recovery", "rank SIGKILL"), ("node_loss", "worker SIGKILL")):
         if name in figs and figs[name]["ft-train"].get("detect_s") is not None:
             ft = figs[name]["ft-train"]
             runs = ", ".join(f"{x:.2f}" for x in ft["detect_runs_s"] if x is not None)
-            row(f"detection: {what} -> failure recorded by the driver", "s", ft["detect_s"], None,
-                "", None, f"runs: {runs} s; Ray does not record it")
+            row(
+                f"detection: {what} -> failure recorded by the driver",
+                "s",
+                ft["detect_s"],
+                None,
+                "",
+                None,
+                f"runs: {runs} s; Ray does not record it",
+            )
     if "cold_start" in figs:
-        for mode, label in (("fresh", "nothing running (Prefect ephemeral / fit() starts Ray)"),
-                            ("running", "Prefect server / Ray cluster already running")):
+        for mode, label in (
+            ("fresh", "nothing running (Prefect ephemeral / fit() starts Ray)"),
+            ("running", "Prefect server / Ray cluster already running"),
+        ):
             f = figs["cold_start"][mode]
-            runs = {k: [x["s"] for x in f[k].get("runs", []) if "s" in x] for k in ("ft-train", "ray")}
-            row(f"cold start, {label}: call -> first step", "s", f["ft-train"]["s"], f["ray"]["s"],
-                "<= 0.5x Ray", cmp(f["ratio"], 0.5), _runs({k: {"runs_s": v} for k, v in runs.items()}))
+            runs = {
+                k: [x["s"] for x in f[k].get("runs", []) if "s" in x] for k in ("ft-train", "ray")
+            }
+            row(
+                f"cold start, {label}: call -> first step",
+                "s",
+                f["ft-train"]["s"],
+                f["ray"]["s"],
+                "<= 0.5x Ray",
+                cmp(f["ratio"], 0.5),
+                _runs({k: {"runs_s": v} for k, v in runs.items()}),
+            )
     if "report" in figs:
         f = figs["report"]
         ft, ray = f["ft-train"].get("report") or {}, f["ray"].get("report") or {}
         med = ft.get("median_ms")
-        row("report(metrics) every step: blocked per call, median", "ms", med, ray.get("median_ms"),
-            "< 1 ms", None if med is None else med < 1.0)
-        row("report(metrics) every step: blocked per call, p99", "ms", ft.get("p99_ms"), ray.get("p99_ms"),
-            "", None)
+        row(
+            "report(metrics) every step: blocked per call, median",
+            "ms",
+            med,
+            ray.get("median_ms"),
+            "< 1 ms",
+            None if med is None else med < 1.0,
+        )
+        row(
+            "report(metrics) every step: blocked per call, p99",
+            "ms",
+            ft.get("p99_ms"),
+            ray.get("p99_ms"),
+            "",
+            None,
+        )
     if "throughput" in figs:
         f = figs["throughput"]
         ft, ray, ddp = (f.get(k, {}).get("steps_per_s") for k in ("ft-train", "ray", "ddp"))
@@ -409,48 +521,90 @@ def rows(figs: dict) -> list[dict]:
             runs = lambda f: ", ".join(f"{x:.2f}" for x in f["runs_steps_per_s"])  # noqa: E731
             n = il["instances"]
             restarts = interleave.restarted(il)  # then not steady state: no verdict
-            row("steady-state throughput, report() every step, runs taking turns", "steps/s",
-                ift["steps_per_s"], ray, ">= 0.98x bare DDP",
+            row(
+                "steady-state throughput, report() every step, runs taking turns",
+                "steps/s",
+                ift["steps_per_s"],
+                ray,
+                ">= 0.98x bare DDP",
                 None if restarts else cmp(il["ratio"], 0.98, le=False),
                 f"{n} run{'s' if n > 1 else ''} of each, {il['cycles']} turns of {il['slice_s']:.0f} s: "
                 f"bare DDP {_f(iddp['steps_per_s'], 'steps/s')}; ft-train/DDP {il['ratio']:.3f}; the runs: "
                 f"ft-train {runs(ift)}, DDP {runs(iddp)}"
-                + (f"; NOT steady state, runs restarted during the turns: {restarts}" if restarts else ""))
-        row("steady-state throughput, report() every step, one run after the other", "steps/s", ft, ray,
-            "" if il else ">= 0.98x bare DDP", None if il else cmp(r, 0.98, le=False),
-            f"bare DDP {_f(ddp, 'steps/s')}; ft-train/DDP {r:.3f}" if r else "")
+                + (
+                    f"; NOT steady state, runs restarted during the turns: {restarts}"
+                    if restarts
+                    else ""
+                ),
+            )
+        row(
+            "steady-state throughput, report() every step, one run after the other",
+            "steps/s",
+            ft,
+            ray,
+            "" if il else ">= 0.98x bare DDP",
+            None if il else cmp(r, 0.98, le=False),
+            f"bare DDP {_f(ddp, 'steps/s')}; ft-train/DDP {r:.3f}" if r else "",
+        )
         if f.get("pairs"):
             out[-1]["note"] += "; each ft-train run / the DDP run before it: " + ", ".join(
-                f"{x:.3f}" for x in f["pairs"])
+                f"{x:.3f}" for x in f["pairs"]
+            )
         nr = f.get("ray-no-report", {}).get("steps_per_s")
         if nr:
-            out[-1]["note"] += f"; Ray without per-step report() {_f(nr, 'steps/s')} ({nr / ddp:.3f}x DDP)"
+            out[-1]["note"] += (
+                f"; Ray without per-step report() {_f(nr, 'steps/s')} ({nr / ddp:.3f}x DDP)"
+            )
     if "checkpoint" in figs:
         for key, f in figs["checkpoint"].items():
             ft, rs, ra = f.get("ft-train sync", {}), f.get("ray sync", {}), f.get("ray async", {})
             fa = f.get("ft-train async", {})
             ser = ft.get("serialise_s") or fa.get("serialise_s") or rs.get("serialise_s")
             x = lambda st: f"{st / ser:.1f}x serialise" if st and ser else "n/a"  # noqa: E731
-            row(f"checkpoint stall {key}, sync upload", "s", ft.get("stall_s"), rs.get("stall_s"), "", None,
+            row(
+                f"checkpoint stall {key}, sync upload",
+                "s",
+                ft.get("stall_s"),
+                rs.get("stall_s"),
+                "",
+                None,
                 f"serialise (torch.save to BytesIO) {_f(ser, 's')}; ft-train sync = "
-                + x(ft.get("stall_s")))
+                + x(ft.get("stall_s")),
+            )
             fa_ser = fa.get("serialise_s") or ser  # the same run's reference where there is one
             ratio = fa["stall_s"] / fa_ser if fa.get("stall_s") and fa_ser else None
-            row(f"checkpoint stall {key}, async upload", "s", fa.get("stall_s"), ra.get("stall_s"),
-                "<= 1.2x serialise", cmp(ratio, 1.2),
+            row(
+                f"checkpoint stall {key}, async upload",
+                "s",
+                fa.get("stall_s"),
+                ra.get("stall_s"),
+                "<= 1.2x serialise",
+                cmp(ratio, 1.2),
                 f"serialise {_f(fa_ser, 's')} (same run); ft-train async = "
                 + (f"{ratio:.2f}x serialise" if ratio else "n/a")
-                + (f" (save {fa['save_s']:.3g} s + report() {fa['report_s'] * 1e3:.2g} ms"
-                   f" + delete {fa['cleanup_s'] * 1e3:.2g} ms)" if fa.get("stall_s") else "")
-                + "; Ray async = " + x(ra.get("stall_s")))
+                + (
+                    f" (save {fa['save_s']:.3g} s + report() {fa['report_s'] * 1e3:.2g} ms"
+                    f" + delete {fa['cleanup_s'] * 1e3:.2g} ms)"
+                    if fa.get("stall_s")
+                    else ""
+                )
+                + "; Ray async = "
+                + x(ra.get("stall_s")),
+            )
             ft_tmp = f.get("ft-train async, temp dir", {})
             if ft_tmp.get("stall_s"):
                 ser_tmp = ft_tmp.get("serialise_s") or ser
-                row(f"checkpoint stall {key}, async upload, saved to a temp dir on disk", "s",
-                    ft_tmp["stall_s"], ra.get("stall_s"), "", None,
+                row(
+                    f"checkpoint stall {key}, async upload, saved to a temp dir on disk",
+                    "s",
+                    ft_tmp["stall_s"],
+                    ra.get("stall_s"),
+                    "",
+                    None,
                     f"ft-train saving where Ray's side does (not ft_train.staging_dir): "
                     f"{ft_tmp['stall_s'] / ser_tmp:.2f}x serialise (save {ft_tmp['save_s']:.3g} s"
-                    f" + report() {ft_tmp['report_s'] * 1e3:.2g} ms + delete {ft_tmp['cleanup_s'] * 1e3:.2g} ms)")
+                    f" + report() {ft_tmp['report_s'] * 1e3:.2g} ms + delete {ft_tmp['cleanup_s'] * 1e3:.2g} ms)",
+                )
     if "rehydrate" in figs:
         for storage, f in figs["rehydrate"].items():
             ft, ray = f.get("ft-train", {}), f.get("ray", {})
@@ -464,14 +618,23 @@ def rows(figs: dict) -> list[dict]:
                 note = f"run state {ft[n]['state_bytes'] / 1e3:.0f} kB" if n in ft else ""
                 if a and ft.get("10") and n != "10":
                     note += f"; ft-train {n} / 10 = {a / ft['10']['median_s']:.1f}x"
-                row(f"driver rehydrate, {n} checkpoints, {storage}", "ms",
-                    None if a is None else a * 1e3, None if b is None else b * 1e3,
-                    "<= 2x the 10-checkpoint time" if flat is not None else "", flat, note)
+                row(
+                    f"driver rehydrate, {n} checkpoints, {storage}",
+                    "ms",
+                    None if a is None else a * 1e3,
+                    None if b is None else b * 1e3,
+                    "<= 2x the 10-checkpoint time" if flat is not None else "",
+                    flat,
+                    note,
+                )
     return out
 
 
 def table(rs: list[dict]) -> str:
-    head = "| figure | ft-train | Ray Train V2 | ft-train / Ray | target | result | note |\n|---|---|---|---|---|---|---|\n"
+    head = (
+        "| figure | ft-train | Ray Train V2 | ft-train / Ray | target | result | note |\n"
+        "|---|---|---|---|---|---|---|\n"
+    )
     return head + "".join(
         f"| {r['figure']} | {r['ft-train']} | {r['ray']} | {r['ratio']} | {r['target']} | {r['met']} | {r['note']} |\n"
         for r in rs
@@ -489,10 +652,21 @@ def machine() -> dict:
             from importlib.metadata import version
 
             versions[pkg] = version(pkg)
-    info = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ":" in ln}
-    return {"nproc": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "cpu": info.get("model name", "?"),
-            "cpu_mhz": info.get("cpu MHz"), "cache": info.get("cache size"), "python_loop_s": python_loop_s(),
-            "python": platform.python_version(), "versions": versions}
+    info = {
+        ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip()
+        for ln in open("/proc/cpuinfo")
+        if ":" in ln
+    }
+    return {
+        "nproc": os.cpu_count(),
+        "mem_gib": round(mem / 2**20, 1),
+        "cpu": info.get("model name", "?"),
+        "cpu_mhz": info.get("cpu MHz"),
+        "cache": info.get("cache size"),
+        "python_loop_s": python_loop_s(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
 
 
 def python_loop_s() -> float:
@@ -507,9 +681,15 @@ def python_loop_s() -> float:
 
 def commit() -> str:
     """The ft-train code measured: HEAD, and whether the library's files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "ft_train", "flows", "tasks"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "ft_train", "flows", "tasks"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return head + (" (with uncommitted changes to ft_train/flows/tasks)" if dirty else "")
 
 
@@ -517,14 +697,18 @@ def load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {FIGURES}")
-    p.add_argument("--quick", action="store_true", help="fewer steps and repetitions; 100 MB checkpoints only")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer steps and repetitions; 100 MB checkpoints only"
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory (storage, logs)")
     p.add_argument("--results", default=os.path.join(HERE, "results.json"))
     p.add_argument("--timeline", default=os.path.join(HERE, "timeline.png"))
-    p.add_argument("--table", action="store_true", help="print the stored results as a markdown table")
+    p.add_argument(
+        "--table", action="store_true", help="print the stored results as a markdown table"
+    )
     args = p.parse_args(argv)
 
     stored = {}
@@ -574,9 +758,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_before": before,
         "load_after": load(),
-        "runs": {**stored.get("runs", {}), **{k: {"when": datetime.datetime.now().isoformat(timespec="seconds"),
-                                                   "quick": args.quick, "load": before, "commit": commit()}
-                                               for k in figs}},
+        "runs": {
+            **stored.get("runs", {}),
+            **{
+                k: {
+                    "when": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "quick": args.quick,
+                    "load": before,
+                    "commit": commit(),
+                }
+                for k in figs
+            },
+        },
         "figures": merged,
     }
     with open(args.results, "w") as f:

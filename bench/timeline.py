@@ -8,12 +8,12 @@ measured interval shaded.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 COLORS = {"ft-train": "tab:blue", "ray": "tab:orange"}
 
 
-def _lanes(ax, runs: list[tuple[str, list[dict], float, Optional[float]]], xlabel: str) -> None:
+def _lanes(ax, runs: list[tuple[str, list[dict], float, float | None]], xlabel: str) -> None:
     """runs: (system, events, t0, measured seconds or None)."""
     y, ticks, labels = 0, [], []
     for system, events, t0, measured in runs:
@@ -35,8 +35,14 @@ def _lanes(ax, runs: list[tuple[str, list[dict], float, Optional[float]]], xlabe
             y += 1
         if measured is not None:
             ax.fill_between([0.0, measured], top - 0.4, y - 0.6, color=color, alpha=0.15)
-            ax.text(measured, (top + y - 1) / 2, f" {measured:.1f} s", va="center",
-                    fontsize=8, color=color)
+            ax.text(
+                measured,
+                (top + y - 1) / 2,
+                f" {measured:.1f} s",
+                va="center",
+                fontsize=8,
+                color=color,
+            )
         y += 0.5
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel(xlabel, fontsize=8)
@@ -52,8 +58,10 @@ def draw(figs: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = []
-    for key, title in (("recovery", "a rank's process is SIGKILLed (x: s from the kill)"),
-                       ("node_loss", "a worker node is lost (x: s from the kill)")):
+    for key, title in (
+        ("recovery", "a rank's process is SIGKILLed (x: s from the kill)"),
+        ("node_loss", "a worker node is lost (x: s from the kill)"),
+    ):
         f = figs.get(key)
         if not f:
             continue
@@ -76,17 +84,30 @@ def draw(figs: dict[str, Any], path: str) -> None:
                     r = min(timed, key=lambda x: abs(x["s"] - (fig.get("s") or 0)))
                     runs.append((f"{system} ({label})", r["events"], r["t_call"], r["s"]))
         if runs:
-            panels.append(("cold start (x: s from the flow call / fit())", runs, "seconds from the call"))
+            panels.append(
+                ("cold start (x: s from the flow call / fit())", runs, "seconds from the call")
+            )
     if not panels:
         return
-    heights = [max(2.0, 0.35 * sum(len({e['rank'] for e in r[1]}) + 0.5 for r in runs)) for _, runs, _ in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights) + 1.2 * len(panels)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    heights = [
+        max(2.0, 0.35 * sum(len({e["rank"] for e in r[1]}) + 0.5 for r in runs))
+        for _, runs, _ in panels
+    ]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(11, sum(heights) + 1.2 * len(panels)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     for ax, (title, runs, xlabel) in zip(axes[:, 0], panels):
         _lanes(ax, runs, xlabel)
         ax.set_title(title, fontsize=10, loc="left")
-    fig.suptitle("ft-train vs Ray Train V2: | step done, > training function started, "
-                 "o checkpoint restored, x kill", fontsize=9)
+    fig.suptitle(
+        "ft-train vs Ray Train V2: | step done, > training function started, "
+        "o checkpoint restored, x kill",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

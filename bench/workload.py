@@ -21,7 +21,9 @@ import signal
 import statistics
 import tempfile
 import time
-from typing import Any, ContextManager, Iterator, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,14 +46,20 @@ def n_params(model: nn.Module) -> int:
 class Events:
     """Appends events of one rank to the run's JSONL file."""
 
-    def __init__(self, path: Optional[str], system: str, rank: int):
+    def __init__(self, path: str | None, system: str, rank: int):
         self.system, self.rank = system, rank
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
 
-    def emit(self, event: str, t: Optional[float] = None, **fields: Any) -> None:
+    def emit(self, event: str, t: float | None = None, **fields: Any) -> None:
         if self.fd is None:
             return
-        rec = {"sys": self.system, "rank": self.rank, "event": event, "t": t or time.time(), **fields}
+        rec = {
+            "sys": self.system,
+            "rank": self.rank,
+            "event": event,
+            "t": t or time.time(),
+            **fields,
+        }
         os.write(self.fd, (json.dumps(rec) + "\n").encode())
 
 
@@ -77,11 +85,11 @@ class Api:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
-    def checkpoint_dir(self) -> ContextManager[Optional[str]]:
+    def checkpoint_dir(self) -> ContextManager[str | None]:
         """The latest committed checkpoint as a local directory, or None."""
         raise NotImplementedError
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str], mode: str) -> None:
+    def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         """mode: "sync" or "async". With "async" and `async_owns_dir` the system owns and
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
@@ -106,7 +114,9 @@ def _pad(nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (max(nbytes, 0),), dtype=torch.uint8, generator=g)
 
 
-def checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer, step: int, pad: Optional[torch.Tensor]) -> dict:
+def checkpoint_state(
+    model: nn.Module, opt: torch.optim.Optimizer, step: int, pad: torch.Tensor | None
+) -> dict:
     raw = getattr(model, "module", model)
     state = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step}
     if pad is not None:
@@ -182,7 +192,11 @@ def run_loop(config: dict, api: Api) -> None:
     if every and rank == 0:
         # model + optimizer are 33.7 MB; pad the checkpoint up to the asked size
         base = 2 * 4 * n_params(raw)
-        pad = _pad(config.get("checkpoint_bytes", 0) - base) if config.get("checkpoint_bytes") else None
+        pad = (
+            _pad(config.get("checkpoint_bytes", 0) - base)
+            if config.get("checkpoint_bytes")
+            else None
+        )
     report_s: list[float] = []
 
     for step in range(start + 1, config["steps"] + 1):
@@ -210,8 +224,15 @@ def run_loop(config: dict, api: Api) -> None:
                 api.report(metrics, d if rank == 0 else None, mode)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
-            ev.emit("ckpt", step=step, save_s=t1 - t0, report_s=t2 - t1, cleanup_s=t3 - t2,
-                    stall_s=t3 - t0, mode=mode)
+            ev.emit(
+                "ckpt",
+                step=step,
+                save_s=t1 - t0,
+                report_s=t2 - t1,
+                cleanup_s=t3 - t2,
+                stall_s=t3 - t0,
+                mode=mode,
+            )
         elif report_every and step % report_every == 0:
             t0 = time.perf_counter()
             api.report(metrics, None, mode)
@@ -224,7 +245,7 @@ def run_loop(config: dict, api: Api) -> None:
 # -- figures from events ---------------------------------------------------------------------
 
 
-def first_restored_step(events: list[dict], after: float) -> Optional[dict]:
+def first_restored_step(events: list[dict], after: float) -> dict | None:
     """The first training step completed by every rank after a restore (the latest rank's time)."""
     steps = [e for e in events if e["event"] == "step" and e.get("restored") and e["t"] >= after]
     if not steps:
@@ -233,7 +254,7 @@ def first_restored_step(events: list[dict], after: float) -> Optional[dict]:
     return max((e for e in steps if e["step"] == first), key=lambda e: e["t"])
 
 
-def recovery_s(events: list[dict]) -> Optional[float]:
+def recovery_s(events: list[dict]) -> float | None:
     kills = [e for e in events if e["event"] == "kill"]
     if not kills:
         return None
@@ -242,7 +263,7 @@ def recovery_s(events: list[dict]) -> Optional[float]:
     return None if first is None else first["t"] - t_kill
 
 
-def detection_s(events: list[dict], failures: list) -> Optional[float]:
+def detection_s(events: list[dict], failures: list) -> float | None:
     """From the kill to the time the driver recorded the failure (ft-train's run state: the
     failure is recorded once every rank has stopped, so this bounds detection from above)."""
     kills = [e["t"] for e in events if e["event"] == "kill"]
@@ -250,16 +271,17 @@ def detection_s(events: list[dict], failures: list) -> Optional[float]:
     return recorded[0] - kills[0] if kills and recorded else None
 
 
-def first_step_t(events: list[dict]) -> Optional[float]:
+def first_step_t(events: list[dict]) -> float | None:
     """When step 1 was completed by every rank."""
     ts = [e["t"] for e in events if e["event"] == "step" and e["step"] == 1]
     return max(ts) if ts else None
 
 
-def throughput(events: list[dict], warmup: int) -> Optional[float]:
+def throughput(events: list[dict], warmup: int) -> float | None:
     """Steps per second on rank 0 from step `warmup` to its last step (first attempt only)."""
     steps = sorted(
-        (e["step"], e["t"]) for e in events
+        (e["step"], e["t"])
+        for e in events
         if e["event"] == "step" and e["rank"] == 0 and not e.get("restored")
     )
     steps = [s for s in steps if s[0] >= warmup]
@@ -275,7 +297,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def report_stats(events: list[dict], skip: int = 2) -> Optional[dict]:
+def report_stats(events: list[dict], skip: int = 2) -> dict | None:
     """Per-call blocking time of metrics-only report(), over every rank (the first `skip` calls
     of each rank are left out: the first call of a system may set things up)."""
     durs = [d for e in events if e["event"] == "reports" for d in e["durations"][skip:]]
@@ -290,7 +312,7 @@ def report_stats(events: list[dict], skip: int = 2) -> Optional[dict]:
     }
 
 
-def stall_stats(events: list[dict]) -> Optional[dict]:
+def stall_stats(events: list[dict]) -> dict | None:
     """Rank 0's blocked time per checkpoint (median over the run's checkpoints)."""
     ck = [e for e in events if e["event"] == "ckpt" and e["rank"] == 0]
     if not ck:
@@ -307,4 +329,3 @@ def stall_stats(events: list[dict]) -> Optional[dict]:
         "serialise_s": ser[0] if ser else None,
         "checkpoints": len(ck),
     }
-

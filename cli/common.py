@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
 from ft_train.config import DEFAULT_STORAGE_PATH, RunConfig
 from ft_train.errors import StorageError
-from ft_train.run_state import RunState, RunStore
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunState, RunStore
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -27,7 +27,7 @@ def _storage_option(text: str) -> tuple[str, Any]:
     try:
         return key[:-1], json.loads(value)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: the value after ':=' is not JSON ({e})")
+        raise argparse.ArgumentTypeError(f"{text!r}: the value after ':=' is not JSON ({e})") from e
 
 
 def add_storage_args(p: argparse.ArgumentParser, default: str = DEFAULT_STORAGE_PATH) -> None:
@@ -62,7 +62,7 @@ def validation_message(e: ValidationError) -> str:
     return "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
 
 
-def load_state(run_config: RunConfig) -> Optional[RunState]:
+def load_state(run_config: RunConfig) -> RunState | None:
     try:
         storage = Storage(run_config.storage_path, run_config.storage_options)
         return RunStore(storage, run_config.name).load()

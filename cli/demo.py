@@ -15,21 +15,27 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
 from deployments import demo
-from ft_train.config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig
-from ft_train.config import ScalingConfig
+from ft_train.config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
+from ft_train.driver.lease import live_holder
 from ft_train.errors import FtTrainError, StorageError
-from ft_train.lease import live_holder
 from ft_train.result import TrainResult
-from ft_train.run_state import RunState
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunState
 
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, add_storage_args, load_state
-from .common import run_config, validation_message
+from .common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    add_storage_args,
+    load_state,
+    run_config,
+    validation_message,
+)
 from .output import headline, print_summary, say
 
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
@@ -47,20 +53,42 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run, loop = demo.RUN_CONFIG, demo.TRAIN_LOOP_CONFIG
     p.add_argument("--name", default=run["name"], help="the run's name (default: %(default)s)")
     add_storage_args(p, default=run["storage_path"])
-    p.add_argument("--workers", type=int, default=demo.SCALING_CONFIG["num_workers"],
-                   help="ranks (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=loop["epochs"],
-                   help="epochs (default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=loop["checkpoint_every"],
-                   help="steps between checkpoints (default: %(default)s)")
-    p.add_argument("--num-to-keep", type=int, default=run["checkpoint_config"]["num_to_keep"],
-                   help="checkpoints to keep (default: %(default)s)")
-    p.add_argument("--max-failures", type=int, default=run["failure_config"]["max_failures"],
-                   help="restarts the run survives; -1 unlimited (default: %(default)s)")
-    p.add_argument("--crash-at-step", type=int, metavar="N",
-                   help="make one rank raise once, before training step N, to show a restart")
-    p.add_argument("--crash-rank", type=int, default=1,
-                   help="the rank that crashes (default: %(default)s)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=demo.SCALING_CONFIG["num_workers"],
+        help="ranks (default: %(default)s)",
+    )
+    p.add_argument(
+        "--epochs", type=int, default=loop["epochs"], help="epochs (default: %(default)s)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=loop["checkpoint_every"],
+        help="steps between checkpoints (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-to-keep",
+        type=int,
+        default=run["checkpoint_config"]["num_to_keep"],
+        help="checkpoints to keep (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=run["failure_config"]["max_failures"],
+        help="restarts the run survives; -1 unlimited (default: %(default)s)",
+    )
+    p.add_argument(
+        "--crash-at-step",
+        type=int,
+        metavar="N",
+        help="make one rank raise once, before training step N, to show a restart",
+    )
+    p.add_argument(
+        "--crash-rank", type=int, default=1, help="the rank that crashes (default: %(default)s)"
+    )
     p.set_defaults(command_fn=run_demo, command_parser=p)
 
 
@@ -144,7 +172,9 @@ def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     of the one it names; or a usage error (exit 2). No crash injected yet (`_inject_crash`)."""
     config, scaling = _check_demo_args(args, parser)
     loop_config = {
-        **demo.TRAIN_LOOP_CONFIG, "epochs": args.epochs, "checkpoint_every": args.checkpoint_every
+        **demo.TRAIN_LOOP_CONFIG,
+        "epochs": args.epochs,
+        "checkpoint_every": args.checkpoint_every,
     }
     return {
         "train_loop": demo.TRAIN_LOOP,
@@ -156,8 +186,8 @@ def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def _inject_crash(
-    args: argparse.Namespace, params: dict[str, Any], before: Optional[RunState]
-) -> Optional[str]:
+    args: argparse.Namespace, params: dict[str, Any], before: RunState | None
+) -> str | None:
     """Add --crash-at-step's fault to the training config; its marker file, if one is injected."""
     if args.crash_at_step is None:
         return None
@@ -170,7 +200,7 @@ def _inject_crash(
     return marker
 
 
-def _announce(args: argparse.Namespace, before: Optional[RunState], crash: bool) -> None:
+def _announce(args: argparse.Namespace, before: RunState | None, crash: bool) -> None:
     crashing = ""
     if crash:
         crashing = f"; rank {args.crash_rank} will crash once before step {args.crash_at_step}"
@@ -185,7 +215,7 @@ def _announce(args: argparse.Namespace, before: Optional[RunState], crash: bool)
         say(f"ft-train demo: resuming run {args.name!r} ({before.status}){crashing}")
 
 
-def _stored_before(args: argparse.Namespace, config: RunConfig) -> tuple[bool, Optional[RunState]]:
+def _stored_before(args: argparse.Namespace, config: RunConfig) -> tuple[bool, RunState | None]:
     """(whether the demo may start, the run as stored before it). Prints why it may not: the
     storage cannot be read, or another driver holds the run (said now, not after Prefect's start)."""
     try:

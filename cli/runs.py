@@ -12,14 +12,20 @@ import sys
 
 from pydantic import ValidationError
 
+from ft_train.driver.lease import LEASE_FILE, LeaseDoc, holder_alive, parse_lease, read_lease
 from ft_train.errors import StorageError
-from ft_train.lease import LEASE_FILE, LeaseDoc, holder_alive, parse_lease, read_lease
 from ft_train.result import TrainResult
-from ft_train.run_state import INDEX_CHUNK, STATE_FILE, RunStore, now
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import INDEX_CHUNK, STATE_FILE, RunStore, now
 
-from .common import EXIT_FAILED, EXIT_OK, add_storage_args, load_state, run_config
-from .common import validation_message
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_storage_args,
+    load_state,
+    run_config,
+    validation_message,
+)
 from .output import print_summary
 
 HEADER = ("NAME", "STATUS", "REPORTS", "CHECKPOINTS", "FAILURES", "UPDATED (UTC)", "DRIVER")
@@ -86,8 +92,11 @@ def list_runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         names = storage.list_dir("")
         found = storage.read_many([f"{n}/{f}" for n in names for f in (STATE_FILE, LEASE_FILE)])
     except Exception as e:  # fsspec backends raise their own types; say which setting to check
-        print(f"error: cannot list runs under {args.storage_path} ({type(e).__name__}: {e}); "
-              "check --storage-path and --storage-option", file=sys.stderr)
+        print(
+            f"error: cannot list runs under {args.storage_path} ({type(e).__name__}: {e}); "
+            "check --storage-path and --storage-option",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     rows = [row for name in names if (row := _row(storage, name, found)) is not None]
     if not rows:
@@ -112,8 +121,13 @@ def _row(storage: Storage, name: str, found: dict[str, bytes]) -> tuple[str, ...
     lease = None if raw_lease is None else parse_lease(raw_lease)
     kept = state.sealed_chunks * INDEX_CHUNK + len(state.checkpoints)
     return (
-        name, state.status, str(state.report_index), str(kept), str(len(state.failures)),
+        name,
+        state.status,
+        str(state.report_index),
+        str(kept),
+        str(len(state.failures)),
         f"{state.updated_at:%Y-%m-%d %H:%M:%S}",
-        "" if lease is None or lease.released else f"pid {lease.pid} on {lease.host}: "
-        + _driver_verdict(lease),
+        ""
+        if lease is None or lease.released
+        else f"pid {lease.pid} on {lease.host}: " + _driver_verdict(lease),
     )

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import httpx
 import prefect
@@ -37,7 +37,6 @@ from prefect.settings import (
     get_current_settings,
     temporary_settings,
 )
-
 
 logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
 
@@ -75,17 +74,25 @@ class TemporaryServer:
                 "PREFECT__SERVER_FINAL": "1",
                 **get_current_settings().to_environment_variables(exclude_unset=True),
             }
-            self.process: Optional[subprocess.Popen] = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("ephemeral_server.py")),
-                 str(sock.fileno()), str(Path(prefect.__file__).parents[1])],
+            self.process: subprocess.Popen | None = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("ephemeral_server.py")),
+                    str(sock.fileno()),
+                    str(Path(prefect.__file__).parents[1]),
+                ],
                 env=env,
                 pass_fds=[sock.fileno()],
                 stdin=subprocess.PIPE,  # closed when this process ends: the server then stops too
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
             )
-        threading.Thread(target=self._relay, args=(self.process,), name="ft-train-prefect-server-output",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._relay,
+            args=(self.process,),
+            name="ft-train-prefect-server-output",
+            daemon=True,
+        ).start()
         atexit.register(self.stop)
 
     @property
@@ -109,14 +116,18 @@ class TemporaryServer:
         with httpx.Client(timeout=1.0) as client:  # a request waits in the backlog meanwhile
             while not self.healthy:
                 if not told and time.monotonic() - started > STILL_STARTING_S:
-                    logger.info(f"The temporary server is still starting (a first start creates its "
-                                f"database); waiting up to {timeout_s:.0f}s")
+                    logger.info(
+                        f"The temporary server is still starting (a first start creates its "
+                        f"database); waiting up to {timeout_s:.0f}s"
+                    )
                     told = True
                 assert self.process is not None
                 code = self.process.poll()
                 if code is not None:
-                    raise RuntimeError(f"Prefect's temporary server exited with status {code}; its "
-                                       "output above says why")
+                    raise RuntimeError(
+                        f"Prefect's temporary server exited with status {code}; its "
+                        "output above says why"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"Prefect's temporary server did not answer within {timeout_s:.0f}s; raise "
@@ -142,11 +153,11 @@ class TemporaryServer:
         self.process = None
 
 
-_server: Optional[TemporaryServer] = None
+_server: TemporaryServer | None = None
 _lock = threading.Lock()
 
 
-def start() -> Optional[TemporaryServer]:
+def start() -> TemporaryServer | None:
     """This process's temporary server, started now if it is not yet; None where Prefect would
     not start one (an API is set, ephemeral mode is off, or a flow or task run is around)."""
     global _server
@@ -170,7 +181,7 @@ def startup_timeout_s() -> float:
 
 
 @contextlib.contextmanager
-def api(server: Optional[TemporaryServer]) -> Iterator[None]:
+def api(server: TemporaryServer | None) -> Iterator[None]:
     """Within: Prefect's API is `server`, once it answers (unchanged where `server` is None)."""
     if server is None:
         yield

@@ -48,8 +48,9 @@ def main(fd: int, app_dir: str) -> None:
     # What Prefect's own server command runs: its app factory, from its package's directory (the
     # starting process turns the UI off), errors only.
     sys.path.insert(0, app_dir)
-    config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, log_level="error",
-                            lifespan="on")
+    config = uvicorn.Config(
+        "prefect.server.api.server:create_app", factory=True, log_level="error", lifespan="on"
+    )
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

@@ -10,28 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from prefect import Flow
 
 import ft_train
 from flows import ephemeral
-from ft_train.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.config import parse
-from ft_train.driver import interrupt_or, loop_config, make_controller, peek
+from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
+from ft_train.driver.lease import live_holder
+from ft_train.driver.prepare import interrupt_or, loop_config, make_controller, peek
 from ft_train.errors import ConfigError
-from ft_train.lease import live_holder
-from ft_train.rank import load_train_loop
-from ft_train.run_state import RunStore
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunStore
+from ft_train.worker.rank import load_train_loop
 from tasks import finalize, prepare_run, provision_workers, train_segment
 from tasks.publish import RunEvents
 
 
 def train_fn(
-    train_loop: Union[str, Callable],
+    train_loop: str | Callable,
     run_config: ft_train.RunConfig,
-    train_loop_config: Optional[dict[str, Any]] = None,
+    train_loop_config: dict[str, Any] | None = None,
     scaling_config: ft_train.ScalingConfig = ft_train.ScalingConfig(),
     cluster: ft_train.ClusterConfig = ft_train.ClusterConfig(),
 ) -> ft_train.TrainResult:

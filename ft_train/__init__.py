@@ -5,7 +5,6 @@ This package is the library; it never imports Prefect. The flow lives in `flows.
 
 import importlib
 
-from .checkpoint import Checkpoint
 from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from .errors import (
     ConfigError,
@@ -18,11 +17,12 @@ from .errors import (
     WorkerGroupError,
     WorkerStartupError,
 )
-from .result import TrainResult
-from .run_state import FailureRecord
 from .protocol import PreemptionInfo
-from .session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
-from .uploads import staging_dir
+from .result import TrainResult
+from .storage.checkpoint import Checkpoint
+from .storage.run_state import FailureRecord
+from .worker.session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
+from .worker.uploads import staging_dir
 
 __all__ = [
     "Checkpoint",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -36,7 +36,7 @@ class _Config(BaseModel):
 class ScalingConfig(_Config):
     """How many ranks to run, and on what."""
 
-    num_workers: Union[int, tuple[int, int]] = Field(
+    num_workers: int | tuple[int, int] = Field(
         1,
         description="Training ranks, one per Dask worker: a number, or (min, max) for an elastic "
         "group that starts with at least min, goes on with fewer after a loss, grows back to max.",
@@ -48,7 +48,8 @@ class ScalingConfig(_Config):
         "with the min or more that are there.",
     )
     use_gpu: bool = Field(
-        False, description="One GPU per rank (NCCL); workers need a `GPU` resource or a visible GPU."
+        False,
+        description="One GPU per rank (NCCL); workers need a `GPU` resource or a visible GPU.",
     )
     worker_start_timeout_s: float = Field(
         120.0,
@@ -58,7 +59,7 @@ class ScalingConfig(_Config):
 
     @field_validator("num_workers")
     @classmethod
-    def _sizes(cls, n: Union[int, tuple[int, int]]) -> Union[int, tuple[int, int]]:
+    def _sizes(cls, n: int | tuple[int, int]) -> int | tuple[int, int]:
         low, high = (n, n) if isinstance(n, int) else n
         if not 1 <= low <= high:
             raise ValueError(
@@ -105,7 +106,7 @@ class FailureConfig(_Config):
         "learn of it within this long, plus one report. 0: at every report(), which costs "
         "~0.3 ms a report on a busy CPU.",
     )
-    hang_timeout_s: Optional[float] = Field(
+    hang_timeout_s: float | None = Field(
         1800.0,
         gt=0,
         description="A rank that makes no report() for this long (from its group's start or its "
@@ -122,10 +123,10 @@ class FailureConfig(_Config):
 class CheckpointConfig(_Config):
     """Which committed checkpoints to keep."""
 
-    num_to_keep: Optional[int] = Field(
+    num_to_keep: int | None = Field(
         None, ge=1, description="Checkpoints to keep; the latest is always kept. None keeps all."
     )
-    checkpoint_score_attribute: Optional[str] = Field(
+    checkpoint_score_attribute: str | None = Field(
         None, description="Metric that ranks checkpoints for retention; None keeps the newest."
     )
     checkpoint_score_order: Literal["max", "min"] = Field(
@@ -190,12 +191,12 @@ class RunConfig(_Config):
 class ClusterConfig(_Config):
     """Where the ranks run: a local Dask cluster started for the run, or an existing one."""
 
-    address: Optional[str] = Field(
+    address: str | None = Field(
         None,
         description="Scheduler address of an existing Dask cluster (tcp://host:8786). "
         "None starts a local cluster sized to the run and stops it at the end.",
     )
-    n_workers: Optional[int] = Field(
+    n_workers: int | None = Field(
         None,
         ge=1,
         description="Workers of the local cluster; default: scaling_config.num_workers (its "
@@ -212,7 +213,7 @@ class ClusterConfig(_Config):
     )
 
     @model_validator(mode="after")
-    def _address_is_a_url(self) -> "ClusterConfig":
+    def _address_is_a_url(self) -> ClusterConfig:
         if self.address is not None and "://" not in self.address:
             raise ValueError(
                 f"cluster.address {self.address!r} must be a scheduler URL like tcp://host:8786"
@@ -231,7 +232,7 @@ class ClusterConfig(_Config):
         return modules
 
     @model_validator(mode="after")
-    def _preload_is_installed(self) -> "ClusterConfig":
+    def _preload_is_installed(self) -> ClusterConfig:
         """On a local cluster the workers import what the driver can: a module that is not
         installed here would be skipped by them without a word. (Not asked of an existing
         cluster, whose workers may have other packages.)"""
@@ -266,10 +267,12 @@ def parse(model: type[M], value: Any, parameter: str) -> M:
         raise ConfigError(f"invalid {parameter}: " + "; ".join(problems.values())) from None
 
 
-def _problem(where: str, about: Optional[str], error: dict) -> str:
+def _problem(where: str, about: str | None, error: dict) -> str:
     if error["type"] == "extra_forbidden":
-        return (f"{where}: there is no such setting; check its spelling, and that it belongs "
-                f"in {where.rsplit('.', 1)[0]}")
+        return (
+            f"{where}: there is no such setting; check its spelling, and that it belongs "
+            f"in {where.rsplit('.', 1)[0]}"
+        )
     message = error["msg"].removeprefix("Value error, ")
     about = about.rstrip(".") if about else about
     if message.startswith(where):
@@ -279,7 +282,7 @@ def _problem(where: str, about: Optional[str], error: dict) -> str:
     return f"{where}: {message}{got}" + (f". {about}" if about else "")
 
 
-def _field(model: type[BaseModel], parameter: str, loc: tuple) -> tuple[str, Optional[str]]:
+def _field(model: type[BaseModel], parameter: str, loc: tuple) -> tuple[str, str | None]:
     """The dotted name of the field at `loc` (a union's member left out), and its description
     (it says what the values mean: the fix)."""
     names, about = [parameter], None

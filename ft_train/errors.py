@@ -89,7 +89,12 @@ class RankFailure(Exception):
     whatever the user's exception was."""
 
     def __init__(
-        self, rank: int, step: int, error: str, traceback: str, fatal: bool = False,
+        self,
+        rank: int,
+        step: int,
+        error: str,
+        traceback: str,
+        fatal: bool = False,
         damaged: str | None = None,
     ):
         super().__init__(rank, step, error, traceback, fatal, damaged)

@@ -7,7 +7,7 @@ Rank -> driver (a Dask event batch, and the rank's journal; `wire()` / `message(
     Report         its k-th report(): metrics, and the checkpoint files it attached
     UploadIntent   (journal only) an asynchronous upload of round k's files has begun
 
-Worker group -> controller (one queue, `ft_train.worker_group`):
+Worker group -> controller (one queue, `ft_train.driver.worker_group`):
 
     Reported, RankEnded, WorkerLost, PreemptNotice; and LeaseLost from the run's lease
 """
@@ -15,7 +15,7 @@ Worker group -> controller (one queue, `ft_train.worker_group`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 FileInfo = dict[str, Any]  # size, sha256 (storage.upload_dir)
 
@@ -33,10 +33,10 @@ class Report:
     rank: int
     index: int
     metrics: dict[str, Any] = field(default_factory=dict)
-    dir_name: Optional[str] = None  # the round's checkpoint directory, if this rank attached
+    dir_name: str | None = None  # the round's checkpoint directory, if this rank attached
     files: dict[str, FileInfo] = field(default_factory=dict)
-    preempted: Optional[tuple[int, ...]] = None  # learned at this report: these ranks leave
-    deadline: Optional[float] = None  # by then (epoch seconds)
+    preempted: tuple[int, ...] | None = None  # learned at this report: these ranks leave
+    deadline: float | None = None  # by then (epoch seconds)
 
     def wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "index": self.index, "metrics": self.metrics}
@@ -54,11 +54,15 @@ class UploadIntent:
     dir_name: str
 
     def wire(self) -> dict[str, Any]:
-        return {"rank": self.rank, "index": self.index, "dir_name": self.dir_name,
-                "upload": "pending"}
+        return {
+            "rank": self.rank,
+            "index": self.index,
+            "dir_name": self.dir_name,
+            "upload": "pending",
+        }
 
 
-Message = Union[Started, Report, UploadIntent]
+Message = Started | Report | UploadIntent
 
 
 def message(d: dict[str, Any]) -> Message:
@@ -69,8 +73,12 @@ def message(d: dict[str, Any]) -> Message:
         return UploadIntent(d["rank"], d["index"], d["dir_name"])
     preempted = d.get("preempted")
     return Report(
-        rank=d["rank"], index=d["index"], metrics=d.get("metrics", {}), dir_name=d.get("dir_name"),
-        files=d.get("files") or {}, preempted=None if preempted is None else tuple(preempted),
+        rank=d["rank"],
+        index=d["index"],
+        metrics=d.get("metrics", {}),
+        dir_name=d.get("dir_name"),
+        files=d.get("files") or {},
+        preempted=None if preempted is None else tuple(preempted),
         deadline=d.get("deadline"),
     )
 
@@ -90,8 +98,8 @@ class RankEnded:
 
     attempt: int
     rank: int
-    summary: Optional[dict[str, Any]] = None  # {"rank", "reports", "stopped"?}
-    error: Optional[BaseException] = None  # a RankFailure, or what Dask raised
+    summary: dict[str, Any] | None = None  # {"rank", "reports", "stopped"?}
+    error: BaseException | None = None  # a RankFailure, or what Dask raised
     cancelled: bool = False
     worker_died: bool = False  # Dask's KilledWorker: the rank's process died under it
 
@@ -113,10 +121,10 @@ class PreemptNotice:
 @dataclass(frozen=True)
 class LeaseLost:
     why: str
-    attempt: Optional[int] = None
+    attempt: int | None = None
 
 
-GroupEvent = Union[Reported, RankEnded, WorkerLost, PreemptNotice, LeaseLost]
+GroupEvent = Reported | RankEnded | WorkerLost | PreemptNotice | LeaseLost
 
 
 # -- the agreement's flags -----------------------------------------------------------------------
@@ -134,7 +142,7 @@ class PreemptionInfo:
 class Agreement:
     """What every rank learns at the same report(), from one all-reduce (MAX) of `flags`."""
 
-    preemption: Optional[PreemptionInfo]
+    preemption: PreemptionInfo | None
     stop: bool  # the driver asked the group to stop
     any_finished: bool  # some rank has returned from its training function
     all_finished: bool
@@ -143,8 +151,13 @@ class Agreement:
 
 
 def encode_flags(
-    rank: int, world_size: int, deadline: Optional[float], stop: bool, finished: bool,
-    every: int, index: int,
+    rank: int,
+    world_size: int,
+    deadline: float | None,
+    stop: bool,
+    finished: bool,
+    every: int,
+    index: int,
 ) -> list[float]:
     """One rank's flags. Reduced with MAX: a slot per rank (its worker has notice), then the
     negated earliest deadline, stop, finished (any), not finished (any), the largest `every`,
@@ -168,6 +181,10 @@ def decode_flags(flags: list[float], world_size: int) -> Agreement:
     ranks = tuple(r for r in range(w) if flags[r])
     info = PreemptionInfo(ranks, -flags[w]) if ranks else None
     return Agreement(
-        info, bool(flags[w + 1]), bool(flags[w + 2]), not flags[w + 3],
-        every=int(flags[w + 4]), same_index=flags[w + 5] == -flags[w + 6],
+        info,
+        bool(flags[w + 1]),
+        bool(flags[w + 2]),
+        not flags[w + 3],
+        every=int(flags[w + 4]),
+        same_index=flags[w + 5] == -flags[w + 6],
     )

@@ -4,36 +4,36 @@ Unlike a rerun, it reads the whole checkpoint index (the head and its sealed chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-from .checkpoint import Checkpoint
-from .checkpoint_manager import _score
 from .config import CheckpointConfig
 from .errors import StorageError, TrainingFailedError
-from .run_state import FailureRecord, RunState, RunStore
-from .storage import Storage
+from .storage.checkpoint import Checkpoint
+from .storage.checkpoint_manager import score
+from .storage.fs import Storage
+from .storage.run_state import FailureRecord, RunState, RunStore
 
 
 @dataclass
 class TrainResult:
-    metrics: Optional[dict[str, Any]]
-    checkpoint: Optional[Checkpoint]
+    metrics: dict[str, Any] | None
+    checkpoint: Checkpoint | None
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]]
     path: str
-    error: Optional[TrainingFailedError]
+    error: TrainingFailedError | None
     failures: list[FailureRecord] = field(default_factory=list)
     status: str = "running"
 
     @classmethod
     def from_state(
         cls, storage: Storage, state: RunState, cfg: CheckpointConfig | None = None
-    ) -> "TrainResult":
+    ) -> TrainResult:
         def ckpt(dir_name: str) -> Checkpoint:
             return Checkpoint(storage.uri(f"{state.name}/{dir_name}"), storage.options)
 
         entries = RunStore(storage, state.name).all_checkpoints(state)
         if cfg is not None and cfg.checkpoint_score_attribute is not None:
-            entries.sort(key=lambda e: (_score(e, cfg), e.report_index))
+            entries.sort(key=lambda e: (score(e, cfg), e.report_index))
         latest = state.latest_entry()
         error = None
         if state.status == "failed":
@@ -55,9 +55,9 @@ class TrainResult:
         cls,
         storage_path: str,
         name: str,
-        storage_options: Optional[dict[str, Any]] = None,
+        storage_options: dict[str, Any] | None = None,
         checkpoint_config: CheckpointConfig | None = None,
-    ) -> "TrainResult":
+    ) -> TrainResult:
         """The result of the run `name` under `storage_path`, finished or not."""
         from .config import RunConfig
 

@@ -7,13 +7,14 @@ pass. Call `loader.set_epoch(e)` when resuming mid-run so the order matches an u
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from .session import get_context
+from .worker.session import get_context
 
 
 def get_device() -> torch.device:

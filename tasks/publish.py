@@ -20,14 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Optional
+from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
 from ft_train.controller import Callback
-from ft_train.driver import RunPlan
-from ft_train.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
+from ft_train.driver.prepare import RunPlan
+from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
 
 MAX_ROWS = 200  # checkpoints in the table; all of them are in `ft-train status` and the result
 
@@ -55,12 +55,15 @@ class RunEvents(Callback):
     def on_failure(self, failure: FailureRecord) -> None:
         self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
 
-    def on_checkpoint_committed(self, entry: Optional[CheckpointEntry], state: RunState) -> None:
-        self._emit("checkpoint.committed", {
-            "step": state.report_index,
-            "metrics": entry.metrics if entry else {},
-            "path": self.plan.storage.uri(f"{state.name}/{state.latest}"),
-        })
+    def on_checkpoint_committed(self, entry: CheckpointEntry | None, state: RunState) -> None:
+        self._emit(
+            "checkpoint.committed",
+            {
+                "step": state.report_index,
+                "metrics": entry.metrics if entry else {},
+                "path": self.plan.storage.uri(f"{state.name}/{state.latest}"),
+            },
+        )
 
     def on_run_end(self, state: RunState) -> None:
         if state.status not in ("finished", "failed"):
@@ -82,23 +85,41 @@ def publish_artifacts(plan: RunPlan) -> None:
     name = state.name
     entries = RunStore(plan.storage, name).all_checkpoints(state)
     rows = [
-        {"step": e.report_index, "checkpoint": plan.storage.uri(f"{name}/{e.dir_name}"),
-         "attempt": e.attempt, "committed_at": f"{e.committed_at:%Y-%m-%d %H:%M:%S} UTC",
-         **{k: _cell(v) for k, v in e.metrics.items()}}
+        {
+            "step": e.report_index,
+            "checkpoint": plan.storage.uri(f"{name}/{e.dir_name}"),
+            "attempt": e.attempt,
+            "committed_at": f"{e.committed_at:%Y-%m-%d %H:%M:%S} UTC",
+            **{k: _cell(v) for k, v in e.metrics.items()},
+        }
         for e in entries[-MAX_ROWS:]
     ]
     shown = "" if len(entries) <= MAX_ROWS else f" (the newest {MAX_ROWS} of {len(entries)})"
-    create_table_artifact(rows, key=artifact_key(name, "checkpoints"),
-                          description=f"Checkpoints of run {name!r}{shown}")
+    create_table_artifact(
+        rows,
+        key=artifact_key(name, "checkpoints"),
+        description=f"Checkpoints of run {name!r}{shown}",
+    )
     failures = [
-        {"kind": f.kind, "rank": f.rank, "step": f.step, "attempt": f.attempt,
-         "charged": f.charged, "time": f"{f.time:%Y-%m-%d %H:%M:%S} UTC", "error": f.error}
+        {
+            "kind": f.kind,
+            "rank": f.rank,
+            "step": f.step,
+            "attempt": f.attempt,
+            "charged": f.charged,
+            "time": f"{f.time:%Y-%m-%d %H:%M:%S} UTC",
+            "error": f.error,
+        }
         for f in state.failures
     ]
-    create_table_artifact(failures, key=artifact_key(name, "failures"),
-                          description=f"Failures of run {name!r}")
-    create_markdown_artifact(_summary(plan, state, len(entries)), key=artifact_key(name, "summary"),
-                             description=f"Run {name!r}")
+    create_table_artifact(
+        failures, key=artifact_key(name, "failures"), description=f"Failures of run {name!r}"
+    )
+    create_markdown_artifact(
+        _summary(plan, state, len(entries)),
+        key=artifact_key(name, "summary"),
+        description=f"Run {name!r}",
+    )
 
 
 def _summary(plan: RunPlan, state: RunState, kept: int) -> str:
@@ -121,7 +142,9 @@ def _summary(plan: RunPlan, state: RunState, kept: int) -> str:
 
 
 def _cell(value: Any) -> Any:
-    return value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)
+    return (
+        value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)
+    )
 
 
 def _json(value: Any) -> Any:

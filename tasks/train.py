@@ -7,7 +7,8 @@ worker would lose its retries when that worker dies. The ranks are Dask futures 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 from uuid import UUID
 
 from prefect import get_client, get_run_logger, task
@@ -16,20 +17,20 @@ from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 import ft_train
-from ft_train.cluster import dask_client
 from ft_train.controller import Controller, Segment
-from ft_train.driver import RunPlan, make_controller
-from ft_train.driver import prepare_run as _prepare_run
+from ft_train.driver.cluster import dask_client
+from ft_train.driver.lease import LeaseDoc
+from ft_train.driver.prepare import RunPlan, make_controller
+from ft_train.driver.prepare import prepare_run as _prepare_run
 from ft_train.errors import WorkerGroupError
-from ft_train.lease import LeaseDoc
 
 from .publish import publish_artifacts
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
 def prepare_run(
-    train_loop: Union[str, Callable],
-    train_loop_config: Optional[dict[str, Any]],
+    train_loop: str | Callable,
+    train_loop_config: dict[str, Any] | None,
     scaling_config: ft_train.ScalingConfig,
     run_config: ft_train.RunConfig,
 ) -> RunPlan:
@@ -37,14 +38,19 @@ def prepare_run(
     state from storage (one read)."""
     holder = f"flow run {flow_run.name!r} ({flow_run.id})" if flow_run.id else ""
     plan = _prepare_run(
-        train_loop, train_loop_config, scaling_config, run_config, get_run_logger().info,
-        holder, flow_run.id or "",
+        train_loop,
+        train_loop_config,
+        scaling_config,
+        run_config,
+        get_run_logger().info,
+        holder,
+        flow_run.id or "",
     )
     _crash_flow_run_of(plan.lease.previous)
     return plan
 
 
-def _crash_flow_run_of(previous: Optional[LeaseDoc]) -> None:
+def _crash_flow_run_of(previous: LeaseDoc | None) -> None:
     """The run was taken over from a driver that was killed (its lease not released). Prefect
     still shows that driver's flow run Running when nothing reported its end (a Python call has
     no worker to): mark it Crashed, so the UI tells the truth."""
@@ -65,7 +71,9 @@ def _crash_flow_run_of(previous: Optional[LeaseDoc]) -> None:
 
 @task(name="provision-workers", cache_policy=NO_CACHE)
 def provision_workers(
-    cluster: ft_train.ClusterConfig, scaling_config: ft_train.ScalingConfig, stack: contextlib.ExitStack
+    cluster: ft_train.ClusterConfig,
+    scaling_config: ft_train.ScalingConfig,
+    stack: contextlib.ExitStack,
 ):
     """Connect to the Dask cluster (starting a local one by default); closed with `stack`."""
     client = stack.enter_context(dask_client(cluster, scaling_config))

@@ -5,20 +5,27 @@ the controller's queue (`FakeGroup.report`, `.raised`, `.lost`, ...) and steps t
 from __future__ import annotations
 
 import queue
-from typing import Any, Collection, Optional
+from collections.abc import Collection
+from typing import Any
 
 from ft_train.errors import RankFailure
 from ft_train.protocol import (
-    GroupEvent, PreemptNotice, RankEnded, Report, Reported, Started, WorkerLost,
+    GroupEvent,
+    PreemptNotice,
+    RankEnded,
+    Report,
+    Reported,
+    Started,
+    WorkerLost,
 )
 
 
 class FakeGroup:
-    def __init__(self, cluster: "FakeCluster", attempt: int, events: "queue.Queue[GroupEvent]"):
+    def __init__(self, cluster: FakeCluster, attempt: int, events: queue.Queue[GroupEvent]):
         self.cluster, self.attempt, self.events = cluster, attempt, events
         self.attempt_id = f"{attempt:08d}" + "0" * 24
         self.addresses: list[str] = []
-        self.started_from: Optional[tuple[Optional[str], int]] = None
+        self.started_from: tuple[str | None, int] | None = None
         self.stopped = self.released = self.stop_requested = False
         self.killed: set[str] = set()
         self.notices: list[tuple[str, float]] = []
@@ -55,22 +62,27 @@ class FakeGroup:
 
     # -- what the test's ranks do ----------------------------------------------------------------
 
-    def joined(self, *ranks: int) -> "FakeGroup":
+    def joined(self, *ranks: int) -> FakeGroup:
         for rank in ranks or range(len(self.addresses)):
             self.events.put(Reported(self.attempt, Started(rank)))
         return self
 
-    def report(self, index: int, ranks=None, checkpoint: bool = False, **metrics) -> "FakeGroup":
+    def report(self, index: int, ranks=None, checkpoint: bool = False, **metrics) -> FakeGroup:
         """Every rank's (or `ranks`') report `index`, each with a checkpoint file if asked."""
         for rank in range(len(self.addresses)) if ranks is None else ranks:
-            dir_name = f"checkpoint_{index:06d}-a{self.attempt}-{self.attempt_id[:8]}" if checkpoint else None
+            dir_name = (
+                f"checkpoint_{index:06d}-a{self.attempt}-{self.attempt_id[:8]}"
+                if checkpoint
+                else None
+            )
             files = {f"rank{rank}.pt": {"size": 1, "sha256": "0"}} if checkpoint else {}
             msg = Report(rank, index, {"step": index, **metrics}, dir_name, files)
             self.events.put(Reported(self.attempt, msg))
         return self
 
-    def preempted_at(self, index: int, leaving: tuple[int, ...], deadline: float,
-                     checkpoint: bool) -> None:
+    def preempted_at(
+        self, index: int, leaving: tuple[int, ...], deadline: float, checkpoint: bool
+    ) -> None:
         """Report `index`, at which every rank learned that `leaving` go by `deadline`."""
         for rank in range(len(self.addresses)):
             dir_name = f"checkpoint_{index:06d}-a{self.attempt}-x" if checkpoint else None
@@ -78,28 +90,29 @@ class FakeGroup:
             msg = Report(rank, index, {"step": index}, dir_name, files, leaving, deadline)
             self.events.put(Reported(self.attempt, msg))
 
-    def returned(self, reports: int, ranks=None, stopped: bool = False) -> "FakeGroup":
+    def returned(self, reports: int, ranks=None, stopped: bool = False) -> FakeGroup:
         for rank in range(len(self.addresses)) if ranks is None else ranks:
             summary = {"rank": rank, "reports": reports, **({"stopped": True} if stopped else {})}
             self.events.put(RankEnded(self.attempt, rank, summary=summary))
         return self
 
-    def raised(self, rank: int, error: str, step: int, fatal: bool = False,
-               damaged: Optional[str] = None) -> "FakeGroup":
+    def raised(
+        self, rank: int, error: str, step: int, fatal: bool = False, damaged: str | None = None
+    ) -> FakeGroup:
         failure = RankFailure(rank, step, error, "Traceback: ...", fatal, damaged)
         self.events.put(RankEnded(self.attempt, rank, error=failure))
         return self
 
-    def ended(self, rank: int, **how) -> "FakeGroup":
+    def ended(self, rank: int, **how) -> FakeGroup:
         self.events.put(RankEnded(self.attempt, rank, **how))
         return self
 
-    def lost(self, rank: int, expected: bool = False) -> "FakeGroup":
+    def lost(self, rank: int, expected: bool = False) -> FakeGroup:
         self.cluster.workers.remove(self.addresses[rank])
         self.events.put(WorkerLost(self.attempt, self.addresses[rank], expected))
         return self
 
-    def notice(self, rank: int, deadline: float) -> "FakeGroup":
+    def notice(self, rank: int, deadline: float) -> FakeGroup:
         self.events.put(PreemptNotice(self.attempt, self.addresses[rank], deadline))
         return self
 
@@ -117,7 +130,7 @@ class FakeCluster:
     def group(self) -> FakeGroup:
         return self.groups[-1]
 
-    def new_group(self, attempt: int, events: "queue.Queue[GroupEvent]", run_uri: str) -> FakeGroup:
+    def new_group(self, attempt: int, events: queue.Queue[GroupEvent], run_uri: str) -> FakeGroup:
         self.groups.append(FakeGroup(self, attempt, events))
         return self.groups[-1]
 

@@ -9,8 +9,8 @@ import torch
 
 import ft_train
 from deployments import demo
-from ft_train.run_state import RunState, RunStore
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunState, RunStore
 
 DEMO = demo.TRAIN_LOOP
 
@@ -34,12 +34,22 @@ def demo_config(faults=(), epochs=1, **kw) -> dict:
 
 
 def fault(tmp_path, rank, step, kind="raise") -> dict:
-    return {"rank": rank, "step": step, "kind": kind, "marker": str(tmp_path / f"fault-{rank}-{step}")}
+    return {
+        "rank": rank,
+        "step": step,
+        "kind": kind,
+        "marker": str(tmp_path / f"fault-{rank}-{step}"),
+    }
 
 
 def train_demo(
-    storage, name, config, max_failures=0, workers=demo.SCALING_CONFIG["num_workers"],
-    use_gpu=False, **kw,
+    storage,
+    name,
+    config,
+    max_failures=0,
+    workers=demo.SCALING_CONFIG["num_workers"],
+    use_gpu=False,
+    **kw,
 ) -> ft_train.TrainResult:
     from flows.train import train
 
@@ -89,8 +99,11 @@ def events_of(name: str) -> list:
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
     with get_client(sync_client=True) as client:
-        page = client.read_events(EventFilter(
-            event=EventNameFilter(prefix=["ft-train."]),
-            resource=EventResourceFilter(id=[f"ft-train.run.{name}"]),
-        ), limit=50)
+        page = client.read_events(
+            EventFilter(
+                event=EventNameFilter(prefix=["ft-train."]),
+                resource=EventResourceFilter(id=[f"ft-train.run.{name}"]),
+            ),
+            limit=50,
+        )
     return sorted(page.events, key=lambda e: e.occurred)

@@ -40,13 +40,13 @@ def fast_checkpoints(config):
     """Data-parallel training at a few ms a step that resumes bit-exactly: a tiny model, each
     step's batch drawn from the step number, a checkpoint every `every` steps from rank 0 only
     (the other ranks attach none, as in Ray's guide) or from every rank (`sharded`), uploaded
-    with `mode` ("sync" or "async"). Faults from `faults` (ft_train.faults) at the top of a step:
+    with `mode` ("sync" or "async"). Faults from `faults` (ft_train.testing.faults) at the top of a step:
     at step s, right after report s returned."""
     import tempfile
 
     import torch
 
-    from ft_train.faults import maybe_inject
+    from ft_train.testing.faults import maybe_inject
 
     ctx = ft_train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -78,7 +78,11 @@ def fast_checkpoints(config):
             continue
         with tempfile.TemporaryDirectory() as d:
             if sharded or rank == 0:
-                state = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+                state = {
+                    "model": raw.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                }
                 torch.save(state, os.path.join(d, f"rank{rank}.pt"))
                 attached = ft_train.Checkpoint.from_directory(d)
             else:

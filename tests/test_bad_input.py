@@ -19,12 +19,12 @@ import socket
 import pytest
 
 import ft_train
-from ft_train.checkpoint import MANIFEST
-from ft_train.checkpoint_manager import CheckpointManager
 from ft_train.config import CheckpointConfig
 from ft_train.errors import CheckpointDamagedError, WorkerGroupError
-from ft_train.run_state import STATE_FILE, RunState, RunStore
-from ft_train.storage import Storage
+from ft_train.storage.checkpoint import MANIFEST
+from ft_train.storage.checkpoint_manager import CheckpointManager
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import STATE_FILE, RunState, RunStore
 from tests.conftest import StorageTarget, make_s3_target
 from tests.helpers import fresh, load_state
 
@@ -62,7 +62,9 @@ def train(target: StorageTarget, name: str = "bad-input", train_loop=LOOP, max_f
     from flows.train import train as flow
 
     run_config = kw.pop("run_config", None) or ft_train.RunConfig(
-        name=name, storage_path=target.path, storage_options=target.options,
+        name=name,
+        storage_path=target.path,
+        storage_options=target.options,
         failure_config=ft_train.FailureConfig(max_failures=max_failures),
     )
     return flow(train_loop=train_loop, run_config=run_config, **kw)
@@ -87,13 +89,16 @@ def refused(error: type[BaseException], *words: str, target: StorageTarget):
 # -- run names: one directory under storage_path ------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("", id="empty"),
-    pytest.param("/", id="slash"),
-    pytest.param("..", id="dotdot"),
-    pytest.param("run\x1b[31mred", id="control-character"),
-    pytest.param("r" * 201, id="over-200-characters"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("/", id="slash"),
+        pytest.param("..", id="dotdot"),
+        pytest.param("run\x1b[31mred", id="control-character"),
+        pytest.param("r" * 201, id="over-200-characters"),
+    ],
+)
 def test_a_bad_run_name_is_refused_before_anything_starts(local, name):
     """As a deployment passes it: a dict. Refused before a flow run, a cluster or storage."""
     run_config = {"name": name, "storage_path": local.path}
@@ -108,36 +113,70 @@ def run_dict(local, **fields) -> dict:
     return {"name": "cfg", "storage_path": local.path, **fields}
 
 
-@pytest.mark.parametrize("params, words", [
-    pytest.param({"run_config": {"max_failures": 3}}, ["run_config.max_failures",
-                 "no such setting", "run_config.failure_config"], id="misplaced-field"),
-    pytest.param({"scaling_config": {"num_worker": 2}}, ["scaling_config.num_worker",
-                 "no such setting", "spelling"], id="misspelt-field"),
-    pytest.param({"num_workers": 2}, ["num_workers", "train_loop, run_config, "
-                 "train_loop_config, scaling_config, cluster"], id="unknown-flow-parameter"),
-    pytest.param({"run_config": {"failure_config": {"max_failures": "three"}}},
-                 ["run_config.failure_config.max_failures", "valid integer", "-1 = unlimited"],
-                 id="max_failures-a-string"),
-    pytest.param({"scaling_config": {"num_workers": "four"}},
-                 ["scaling_config.num_workers", "valid integer", "(min, max)"],
-                 id="num_workers-a-string"),
-    pytest.param({"train_loop_config": [1, 2]},
-                 ["train_loop_config must be a dict", "not a list", "{'epochs': 10}"],
-                 id="train_loop_config-a-list"),
-    pytest.param({"train_loop_config": {"lr": float("nan")}},
-                 ["train_loop_config must be JSON", "NaN", "as a string"],
-                 id="train_loop_config-nan"),
-    pytest.param({"run_config": {"failure_config": {"max_failures": -2}}},
-                 ["run_config.failure_config.max_failures", "greater than or equal to -1",
-                  "-1 = unlimited"], id="max_failures=-2"),
-    pytest.param({"scaling_config": {"num_workers": 0}},
-                 ["scaling_config.num_workers", "give a number >= 1"], id="num_workers=0"),
-    pytest.param({"run_config": {"checkpoint_config": {"num_to_keep": 0}}},
-                 ["run_config.checkpoint_config.num_to_keep", "None keeps all"],
-                 id="num_to_keep=0"),
-    pytest.param({"scaling_config": {"num_workers": [3, 2]}},
-                 ["scaling_config.num_workers", "1 <= min <= max"], id="num_workers-min-over-max"),
-])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        pytest.param(
+            {"run_config": {"max_failures": 3}},
+            ["run_config.max_failures", "no such setting", "run_config.failure_config"],
+            id="misplaced-field",
+        ),
+        pytest.param(
+            {"scaling_config": {"num_worker": 2}},
+            ["scaling_config.num_worker", "no such setting", "spelling"],
+            id="misspelt-field",
+        ),
+        pytest.param(
+            {"num_workers": 2},
+            ["num_workers", "train_loop, run_config, train_loop_config, scaling_config, cluster"],
+            id="unknown-flow-parameter",
+        ),
+        pytest.param(
+            {"run_config": {"failure_config": {"max_failures": "three"}}},
+            ["run_config.failure_config.max_failures", "valid integer", "-1 = unlimited"],
+            id="max_failures-a-string",
+        ),
+        pytest.param(
+            {"scaling_config": {"num_workers": "four"}},
+            ["scaling_config.num_workers", "valid integer", "(min, max)"],
+            id="num_workers-a-string",
+        ),
+        pytest.param(
+            {"train_loop_config": [1, 2]},
+            ["train_loop_config must be a dict", "not a list", "{'epochs': 10}"],
+            id="train_loop_config-a-list",
+        ),
+        pytest.param(
+            {"train_loop_config": {"lr": float("nan")}},
+            ["train_loop_config must be JSON", "NaN", "as a string"],
+            id="train_loop_config-nan",
+        ),
+        pytest.param(
+            {"run_config": {"failure_config": {"max_failures": -2}}},
+            [
+                "run_config.failure_config.max_failures",
+                "greater than or equal to -1",
+                "-1 = unlimited",
+            ],
+            id="max_failures=-2",
+        ),
+        pytest.param(
+            {"scaling_config": {"num_workers": 0}},
+            ["scaling_config.num_workers", "give a number >= 1"],
+            id="num_workers=0",
+        ),
+        pytest.param(
+            {"run_config": {"checkpoint_config": {"num_to_keep": 0}}},
+            ["run_config.checkpoint_config.num_to_keep", "None keeps all"],
+            id="num_to_keep=0",
+        ),
+        pytest.param(
+            {"scaling_config": {"num_workers": [3, 2]}},
+            ["scaling_config.num_workers", "1 <= min <= max"],
+            id="num_workers-min-over-max",
+        ),
+    ],
+)
 def test_a_bad_setting_is_refused_naming_it_and_the_fix(local, params, words):
     """Unknown settings (a typo must not fall back to a default), wrong types, values out of
     range: refused before a flow run, a cluster or the storage is touched."""
@@ -149,8 +188,9 @@ def test_a_bad_setting_is_refused_naming_it_and_the_fix(local, params, words):
 def test_storage_options_of_the_wrong_type_are_refused_without_echoing_them(local):
     secret = "hunter2-not-to-be-shown"
     run_config = run_dict(local, storage_options=f"key=AKIA,secret={secret}")
-    with refused(ft_train.ConfigError, "run_config.storage_options", "valid dictionary",
-                 target=local) as err:
+    with refused(
+        ft_train.ConfigError, "run_config.storage_options", "valid dictionary", target=local
+    ) as err:
         train(local, run_config=run_config)
     assert secret not in str(err.value)
 
@@ -161,8 +201,13 @@ def test_storage_options_of_the_wrong_type_are_refused_without_echoing_them(loca
 def test_a_missing_bucket_is_refused_naming_it(s3_endpoint):
     target = make_s3_target(s3_endpoint)
     missing = StorageTarget("s3", "s3://ft-no-such-bucket/runs", target.options)
-    with refused(ft_train.StorageError, "run_config.storage_path", "'ft-no-such-bucket' does not "
-                 "exist", "create it", target=missing):
+    with refused(
+        ft_train.StorageError,
+        "run_config.storage_path",
+        "'ft-no-such-bucket' does not exist",
+        "create it",
+        target=missing,
+    ):
         train(missing)
     assert tree(missing) == {}
 
@@ -207,8 +252,14 @@ def test_a_storage_path_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "results.txt"
     path.write_text("not a directory")
     target = StorageTarget("local", str(path))
-    with refused(ft_train.StorageError, "run_config.storage_path", str(path),
-                 "is a file, not a directory", "give a directory", target=target):
+    with refused(
+        ft_train.StorageError,
+        "run_config.storage_path",
+        str(path),
+        "is a file, not a directory",
+        "give a directory",
+        target=target,
+    ):
         train(target)
     assert path.read_text() == "not a directory"
 
@@ -216,17 +267,40 @@ def test_a_storage_path_that_is_a_file_is_refused(tmp_path):
 # -- train_loop -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("train_loop, words", [
-    pytest.param("tests.loops:no_such_function", ["'tests.loops:no_such_function'",
-                 "has no 'no_such_function'", "check the name after the ':'"], id="no-such-name"),
-    pytest.param("tests.loops.report_many", ["'tests.loops.report_many'",
-                 "'package.module:function'"], id="no-colon"),
-    pytest.param("tests.loops:os", ["'tests.loops:os'", "is a module, not a function",
-                 "give the training function's name"], id="not-callable"),
-    pytest.param(42, ["train_loop 42", "'package.module:function'"], id="not-a-path"),
-    pytest.param("tests.loops:two_args", ["'tests.loops:two_args'", "(config, extra)",
-                 "def train_fn(config):"], id="two-required-args"),
-])
+@pytest.mark.parametrize(
+    "train_loop, words",
+    [
+        pytest.param(
+            "tests.loops:no_such_function",
+            [
+                "'tests.loops:no_such_function'",
+                "has no 'no_such_function'",
+                "check the name after the ':'",
+            ],
+            id="no-such-name",
+        ),
+        pytest.param(
+            "tests.loops.report_many",
+            ["'tests.loops.report_many'", "'package.module:function'"],
+            id="no-colon",
+        ),
+        pytest.param(
+            "tests.loops:os",
+            [
+                "'tests.loops:os'",
+                "is a module, not a function",
+                "give the training function's name",
+            ],
+            id="not-callable",
+        ),
+        pytest.param(42, ["train_loop 42", "'package.module:function'"], id="not-a-path"),
+        pytest.param(
+            "tests.loops:two_args",
+            ["'tests.loops:two_args'", "(config, extra)", "def train_fn(config):"],
+            id="two-required-args",
+        ),
+    ],
+)
 def test_a_train_loop_that_no_rank_could_call_is_refused_before_anything_starts(
     local, train_loop, words
 ):
@@ -242,14 +316,22 @@ def stored(local: StorageTarget, name: str, files: dict[str, bytes]) -> None:
         fresh(local).write_atomic(f"{name}/{rel}", data)
 
 
-@pytest.mark.parametrize("document, words", [
-    pytest.param(b'{"name": "stored", "status": "runn', ["run_state.json", "not valid JSON",
-                 "restore the file", "another run_config.name"], id="corrupt-run-state"),
-    pytest.param(json.dumps({"schema_version": 99, "name": "stored"}).encode(),
-                 ["run_state.json", "schema_version 99", "upgrade ft-train"],
-                 id="newer-schema-version"),
-    pytest.param(b'["a list"]', ["run_state.json", "not a run state"], id="not-an-object"),
-])
+@pytest.mark.parametrize(
+    "document, words",
+    [
+        pytest.param(
+            b'{"name": "stored", "status": "runn',
+            ["run_state.json", "not valid JSON", "restore the file", "another run_config.name"],
+            id="corrupt-run-state",
+        ),
+        pytest.param(
+            json.dumps({"schema_version": 99, "name": "stored"}).encode(),
+            ["run_state.json", "schema_version 99", "upgrade ft-train"],
+            id="newer-schema-version",
+        ),
+        pytest.param(b'["a list"]', ["run_state.json", "not a run state"], id="not-an-object"),
+    ],
+)
 def test_a_run_state_that_cannot_be_resumed_is_refused_untouched(local, document, words):
     """Refused before the run's lease is taken: not a byte of the run directory changes."""
     stored(local, "stored", {STATE_FILE: document})
@@ -259,8 +341,15 @@ def test_a_run_state_that_cannot_be_resumed_is_refused_untouched(local, document
 
 def test_a_run_directory_written_by_something_else_is_refused_untouched(local):
     stored(local, "theirs", {"model.pt": b"someone's weights", "notes/readme.txt": b"hello"})
-    with refused(ft_train.StorageError, "model.pt", "notes", f"no {STATE_FILE}",
-                 "another run_config.name", "move those files away", target=local):
+    with refused(
+        ft_train.StorageError,
+        "model.pt",
+        "notes",
+        f"no {STATE_FILE}",
+        "another run_config.name",
+        "move those files away",
+        target=local,
+    ):
         train(local, name="theirs")
 
 
@@ -286,8 +375,14 @@ def test_a_manifest_entry_outside_its_checkpoint_is_never_followed(storage, tmp_
     st = Storage(ckpt.path, storage.options)
     st.write_atomic(MANIFEST, json.dumps(manifest).encode())
     dst = tmp_path / "restore" / "here"
-    with refused(CheckpointDamagedError, MANIFEST, repr(entry), "outside the checkpoint",
-                 "delete the checkpoint", target=storage):
+    with refused(
+        CheckpointDamagedError,
+        MANIFEST,
+        repr(entry),
+        "outside the checkpoint",
+        "delete the checkpoint",
+        target=storage,
+    ):
         ckpt.to_directory(str(dst))
     assert not (tmp_path / "restore" / "run_state.json").exists()
     assert not (tmp_path / "x").exists()
@@ -303,16 +398,29 @@ def test_a_scheduler_that_is_not_there_is_refused_before_storage_is_touched(loca
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     with dask.config.set({"distributed.comm.timeouts.connect": "2s"}):
-        with refused(ft_train.ConfigError, f"cluster.address {address!r}", "within 2s",
-                     "check the address", target=local):
+        with refused(
+            ft_train.ConfigError,
+            f"cluster.address {address!r}",
+            "within 2s",
+            "check the address",
+            target=local,
+        ):
             train(local, cluster=ft_train.ClusterConfig(address=address))
 
 
 def test_more_ranks_than_a_fixed_local_cluster_has_fail_at_once(local):
-    with refused(ft_train.ConfigError, "scaling_config.num_workers=3", "cluster.n_workers=2",
-                 "raise cluster.n_workers", target=local):
-        train(local, scaling_config=ft_train.ScalingConfig(num_workers=3),
-              cluster=ft_train.ClusterConfig(n_workers=2))
+    with refused(
+        ft_train.ConfigError,
+        "scaling_config.num_workers=3",
+        "cluster.n_workers=2",
+        "raise cluster.n_workers",
+        target=local,
+    ):
+        train(
+            local,
+            scaling_config=ft_train.ScalingConfig(num_workers=3),
+            cluster=ft_train.ClusterConfig(n_workers=2),
+        )
 
 
 def test_more_ranks_than_an_existing_cluster_has_time_out_naming_the_setting(local):
@@ -321,9 +429,11 @@ def test_more_ranks_than_an_existing_cluster_has_time_out_naming_the_setting(loc
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
         with pytest.raises(ft_train.WorkerStartupError) as err:
-            train(local, scaling_config=ft_train.ScalingConfig(num_workers=2,
-                                                                worker_start_timeout_s=1),
-                  cluster=ft_train.ClusterConfig(address=cluster.scheduler_address))
+            train(
+                local,
+                scaling_config=ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=1),
+                cluster=ft_train.ClusterConfig(address=cluster.scheduler_address),
+            )
     assert "only 1 of 2 Dask workers" in str(err.value)
     assert "scaling_config.worker_start_timeout_s" in str(err.value)
     state = load_state(local, "bad-input")
@@ -340,19 +450,34 @@ def failed_at_once(local: StorageTarget, name: str, error: str) -> None:
     assert error in (state.error or ""), state.error
 
 
-@pytest.mark.parametrize("case, words", [
-    pytest.param("not_json", ["metrics must be JSON-serialisable", "object",
-                              "loss.item(), not the tensor"], id="metrics-not-json"),
-    pytest.param("missing_dir", ["never-saved", "no such directory",
-                                 "save the checkpoint's files into a directory"],
-                 id="checkpoint-dir-missing"),
-    pytest.param("empty_dir", ["holds no files on any rank", "save the checkpoint's files into it"],
-                 id="checkpoint-dir-empty"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        pytest.param(
+            "not_json",
+            ["metrics must be JSON-serialisable", "object", "loss.item(), not the tensor"],
+            id="metrics-not-json",
+        ),
+        pytest.param(
+            "missing_dir",
+            ["never-saved", "no such directory", "save the checkpoint's files into a directory"],
+            id="checkpoint-dir-missing",
+        ),
+        pytest.param(
+            "empty_dir",
+            ["holds no files on any rank", "save the checkpoint's files into it"],
+            id="checkpoint-dir-empty",
+        ),
+    ],
+)
 def test_a_report_that_breaks_its_contract_fails_the_run_at_once(local, case, words):
     with pytest.raises(ft_train.SessionError) as err:
-        train(local, name=case.replace("_", "-"), train_loop="tests.loops:bad_report",
-              train_loop_config={"case": case})
+        train(
+            local,
+            name=case.replace("_", "-"),
+            train_loop="tests.loops:bad_report",
+            train_loop_config={"case": case},
+        )
     for word in words:
         assert word in str(err.value), str(err.value)
     failed_at_once(local, case.replace("_", "-"), words[0])
@@ -362,9 +487,13 @@ def test_ranks_reporting_unequally_fail_with_a_clear_error_not_a_deadlock(local)
     """Rank 0 returns after one report while rank 1 makes twenty: the agreements that report()
     starts only every few reports still find it (no collective waits for rank 0 forever)."""
     with pytest.raises(ft_train.SessionError, match="same number of times"):
-        train(local, name="unequal", train_loop="tests.loops:report_counts",
-              train_loop_config={"counts": [1, 20]},
-              scaling_config=ft_train.ScalingConfig(num_workers=2))
+        train(
+            local,
+            name="unequal",
+            train_loop="tests.loops:report_counts",
+            train_loop_config={"counts": [1, 20]},
+            scaling_config=ft_train.ScalingConfig(num_workers=2),
+        )
     failed_at_once(local, "unequal", "same number of times")
 
 
@@ -372,8 +501,12 @@ def test_nan_and_infinite_metrics_are_stored_as_strings_that_read_back(local):
     """A diverged loss is reported, not refused (the run goes on, and its checkpoint is kept);
     JSON has no NaN, so the stored documents say 'nan', 'inf', '-inf', at any depth."""
     result = train(local, name="diverged", train_loop="tests.loops:non_finite_metrics")
-    expected = {"loss": "nan", "grad_norm": "inf", "per_class": [0.5, "-inf"],
-                "nested": {"x": "nan"}}
+    expected = {
+        "loss": "nan",
+        "grad_norm": "inf",
+        "per_class": [0.5, "-inf"],
+        "nested": {"x": "nan"},
+    }
     assert result.status == "finished"
     assert json.loads(json.dumps(result.metrics)) == expected  # lists come back as tuples
 

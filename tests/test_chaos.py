@@ -3,7 +3,7 @@
 fault-free run of the same config, with every fault in its run state's history, in order, with
 its kind, rank and step, each restart resumed from the latest committed checkpoint.
 
-Each fault fires once, at a given (rank, step) of the training loop (ft_train.faults, with a
+Each fault fires once, at a given (rank, step) of the training loop (ft_train.testing.faults, with a
 marker file). Faults a rank cannot do to itself (its node taken away, its worker told to leave,
 the driver killed) are gated: the rank holds at its step and the test acts once the gate's marker
 exists. No sleeps: every wait is a bounded wait for a condition.
@@ -26,15 +26,15 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
 
 import ft_train
-from ft_train.rank import free_port
+from ft_train.worker.rank import free_port
 from tests.helpers import DEMO, load_state, train_demo, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -59,7 +59,9 @@ from distributed.utils import get_mp_context
 dask.config.set({{"distributed.worker.multiprocessing-method": "forkserver"}})
 get_mp_context().set_forkserver_preload({WARM_MODULES!r})
 """
-NANNY = FORK_WARM_WORKERS + """
+NANNY = (
+    FORK_WARM_WORKERS
+    + """
 import asyncio, sys
 from distributed import Nanny
 
@@ -69,9 +71,10 @@ async def main():
 
 asyncio.run(main())
 """
+)
 # A LocalCluster closes for good a nanny whose worker is not back when 15 s (this setting) have
 # passed since an earlier loss of it: with repeated kills of one worker it shrinks until no rank
-# can start. ft_train.cluster does not set it (yet).
+# can start. ft_train.driver.cluster does not set it (yet).
 KEEP_NANNIES = {"DASK_DISTRIBUTED__DEPLOY__LOST_WORKER_TIMEOUT": "1 hour"}
 
 
@@ -80,13 +83,13 @@ KEEP_NANNIES = {"DASK_DISTRIBUTED__DEPLOY__LOST_WORKER_TIMEOUT": "1 hour"}
 
 @dataclass(frozen=True)
 class Kind:
-    inject: str  # the ft_train.faults kind the rank runs at (rank, step)
+    inject: str  # the ft_train.testing.faults kind the rank runs at (rank, step)
     recorded: str  # FailureRecord.kind the run state must show
     charged: bool = True  # counts toward max_failures
     exact_step: bool = True  # the record's step is the last report before the fault (see kill)
     ranked: bool = True  # the record names the rank
     external: bool = False  # needs the external cluster (phase 2)
-    action: Optional[Callable[["Chaos", "Fault"], None]] = None  # the test's part, at the gate
+    action: Callable[[Chaos, Fault], None] | None = None  # the test's part, at the gate
 
 
 @dataclass(frozen=True)
@@ -103,18 +106,18 @@ class Fault:
         return str(root / f"fault-{self.step:02d}-rank{self.rank}-{self.kind}")
 
 
-def take_node_away(chaos: "Chaos", fault: Fault) -> None:
+def take_node_away(chaos: Chaos, fault: Fault) -> None:
     chaos.cluster.take_away(chaos.rank_worker(fault.rank))
 
 
-def tell_worker_to_leave(chaos: "Chaos", fault: Fault) -> None:
+def tell_worker_to_leave(chaos: Chaos, fault: Fault) -> None:
     chaos.cluster.sigterm(chaos.rank_worker(fault.rank))
 
 
 KINDS: dict[str, Kind] = {
     "raise": Kind("raise", "exception"),
     # A SIGKILLed rank's last reports die with its process (they are batched), but not its
-    # journal: the record's step is exact (ft_train.journal).
+    # journal: the record's step is exact (ft_train.worker.journal).
     "kill": Kind("kill", "process_death"),
     "hang": Kind("hang", "hang"),
     # The rank's whole process stops (SIGSTOP), its Dask worker too: a hang whose worker cannot
@@ -126,8 +129,9 @@ KINDS: dict[str, Kind] = {
     # learns it at the report after that (the agreement started at one report is read at the
     # next) and saves a just-in-time checkpoint (an extra report, unless that step checkpoints
     # anyway).
-    "preemption": Kind("until_preempted", "preemption", charged=False, external=True,
-                       action=tell_worker_to_leave),
+    "preemption": Kind(
+        "until_preempted", "preemption", charged=False, external=True, action=tell_worker_to_leave
+    ),
     # the phase boundary, handled by the test itself; on a checkpoint step
     "driver_crash": Kind("wait", "driver_crash", charged=False, ranked=False),
 }
@@ -221,13 +225,21 @@ class ExternalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.client = None
         port = self.address.rsplit(":", 1)[1]
-        self._start("scheduler", [DASK, "scheduler", "--host", "127.0.0.1", "--port", port,
-                                  "--no-dashboard"])
+        self._start(
+            "scheduler",
+            [DASK, "scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard"],
+        )
 
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(self.tmp_path / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def add_node(self) -> str:
         name = f"w{len(self.procs) - 1}"
@@ -299,8 +311,11 @@ def run_gates(faults: list[Fault], root: Path, chaos: Chaos, stop: threading.Eve
         for f in faults:
             if f.spec.action is None:
                 continue
-            wait_for(lambda: stop.is_set() or os.path.exists(f.marker(root)), GATE_TIMEOUT_S,
-                     f"rank {f.rank} to reach the gate of {f}")
+            wait_for(
+                lambda: stop.is_set() or os.path.exists(f.marker(root)),
+                GATE_TIMEOUT_S,
+                f"rank {f.rank} to reach the gate of {f}",
+            )
             if stop.is_set():
                 return
             f.spec.action(chaos, f)
@@ -311,8 +326,11 @@ def run_gates(faults: list[Fault], root: Path, chaos: Chaos, stop: threading.Eve
 def start_driver(args: dict, api_url: str, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO, **KEEP_NANNIES)
     return subprocess.Popen(
-        [sys.executable, __file__, json.dumps(args)], env=env, cwd=REPO,
-        stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        [sys.executable, __file__, json.dumps(args)],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the driver and its local Dask cluster
     )
 
@@ -402,24 +420,34 @@ def test_two_dozen_faults_of_every_kind_end_bit_identical_to_a_fault_free_run(
     before, crash, after = check_schedule()
     expected, checkpoint_indices = timeline()
     name = "chaos"
-    faults = [{"rank": f.rank, "step": f.step, "kind": f.spec.inject, "marker": f.marker(tmp_path)}
-              for f in SCHEDULE]
-    args = dict(name=name, config=dict(CONFIG, faults=faults), storage_path=storage.path,
-                storage_options=storage.options)
+    faults = [
+        {"rank": f.rank, "step": f.step, "kind": f.spec.inject, "marker": f.marker(tmp_path)}
+        for f in SCHEDULE
+    ]
+    args = dict(
+        name=name,
+        config=dict(CONFIG, faults=faults),
+        storage_path=storage.path,
+        storage_options=storage.options,
+    )
 
     # Phase 1: a driver with its own local cluster, killed with its whole process group once it
     # holds right after the crash's checkpoint.
     log = tmp_path / "driver-1.log"
     driver = start_driver(dict(args, cluster={"n_workers": WORKERS}), prefect_api, log)
     try:
+
         def at_gate():
             assert driver.poll() is None, f"driver exited early:\n{log.read_text()[-3000:]}"
             return os.path.exists(crash.marker(tmp_path))
 
         wait_for(at_gate, GATE_TIMEOUT_S, f"the driver to reach the gate of {crash}")
         crash_index = expected[SCHEDULE.index(crash)].step
-        wait_for(lambda: load_state(storage, name).report_index >= crash_index, 60,
-                 f"the checkpoint of step {crash.step} to be committed")
+        wait_for(
+            lambda: load_state(storage, name).report_index >= crash_index,
+            60,
+            f"the checkpoint of step {crash.step} to be committed",
+        )
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=60)
     finally:
@@ -438,8 +466,9 @@ def test_two_dozen_faults_of_every_kind_end_bit_identical_to_a_fault_free_run(
     external_cluster.connect()
     stop, errors = threading.Event(), []
     chaos = Chaos(external_cluster, storage, name)
-    gates = threading.Thread(target=run_gates, args=(after, tmp_path, chaos, stop, errors),
-                             daemon=True)
+    gates = threading.Thread(
+        target=run_gates, args=(after, tmp_path, chaos, stop, errors), daemon=True
+    )
     gates.start()
     try:
         result = drive(dict(args, cluster={"address": external_cluster.address}))

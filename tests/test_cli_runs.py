@@ -8,8 +8,8 @@ import re
 
 import ft_train
 from cli import main as cli
-from ft_train import driver
-from ft_train.run_state import STATE_FILE
+from ft_train.driver import prepare
+from ft_train.storage.run_state import STATE_FILE
 from tests.conftest import on_storage
 from tests.helpers import fresh
 
@@ -18,9 +18,11 @@ def noop_train_loop(config):
     """An importable train_loop for `prepare_run`; never called."""
 
 
-def prepare(target, name: str, config=None) -> driver.RunPlan:
-    return driver.prepare_run(
-        f"{__name__}:noop_train_loop", config or {}, ft_train.ScalingConfig(),
+def prepare(target, name: str, config=None) -> prepare.RunPlan:
+    return prepare.prepare_run(
+        f"{__name__}:noop_train_loop",
+        config or {},
+        ft_train.ScalingConfig(),
         ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options),
         log=lambda msg: None,
     )
@@ -92,8 +94,14 @@ def test_output_cut_short_by_its_reader_ends_without_a_traceback(storage, tmp_pa
     reader, writer = os.pipe()
     os.close(reader)  # gone before the command writes a line
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "cli", "status", "run", "--storage-path",
-                           storage.path], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=repo))
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli", "status", "run", "--storage-path", storage.path],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=repo),
+    )
     os.close(writer)
     assert proc.returncode == 1 and proc.stderr == "", proc.stderr

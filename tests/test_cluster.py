@@ -9,8 +9,8 @@ import subprocess
 import sys
 import uuid
 
-from ft_train import cluster
 from ft_train.config import ClusterConfig, ScalingConfig
+from ft_train.driver import cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,15 +48,21 @@ def allocates_from_main_heap() -> bool:
 def workers() -> list[dict]:
     with cluster.dask_client(ClusterConfig(), ScalingConfig(num_workers=2)) as client:
         seen = client.run(probe)
-        on_main_heap = client.gather([
-            client.submit(allocates_from_main_heap, workers=[w], pure=False) for w in seen
-        ])
-        callbacks = {n for n, pc in client.cluster.scheduler.periodic_callbacks.items() if pc.is_running()}
-        return [dict(w, main_heap=m, scheduler_callbacks=callbacks)
-                for w, m in zip(seen.values(), on_main_heap)]
+        on_main_heap = client.gather(
+            [client.submit(allocates_from_main_heap, workers=[w], pure=False) for w in seen]
+        )
+        callbacks = {
+            n for n, pc in client.cluster.scheduler.periodic_callbacks.items() if pc.is_running()
+        }
+        return [
+            dict(w, main_heap=m, scheduler_callbacks=callbacks)
+            for w, m in zip(seen.values(), on_main_heap)
+        ]
 
 
-def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_environment(monkeypatch):
+def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_environment(
+    monkeypatch,
+):
     assert cluster.start_forkserver()
     server_pid = multiprocessing.forkserver._forkserver._forkserver_pid
     value = uuid.uuid4().hex
@@ -75,12 +81,14 @@ def test_workers_fork_from_a_server_with_torch_imported_and_see_the_drivers_envi
     assert not {c for c in seen[0]["scheduler_callbacks"] if c == "stealing" or c.startswith("amm")}
     # nor for the checks of settings that are off (idle-timeout, no-workers-timeout: None)
     assert not {"idle-timeout", "no-workers-timeout"} & seen[0]["scheduler_callbacks"]
-    assert "worker-ttl" in seen[0]["scheduler_callbacks"]  # while the checks of those that are on run
+    assert (
+        "worker-ttl" in seen[0]["scheduler_callbacks"]
+    )  # while the checks of those that are on run
 
 
 def test_starting_the_fork_server_leaves_the_drivers_environment_as_it_was():
     code = (
-        "import os; from ft_train import cluster\n"
+        "import os; from ft_train.driver import cluster\n"
         "before = dict(os.environ); assert cluster.start_forkserver()\n"
         "assert cluster._forkserver_env['MALLOC_ARENA_MAX'] == '1'  # the workers' variables\n"
         "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
@@ -109,7 +117,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import psutil
 import ft_train
-from ft_train import cluster
+from ft_train.driver import cluster
 from flows.train import train
 
 taken, take = [], cluster._take_ahead
@@ -142,8 +150,8 @@ started.clear(); taken.clear()
 out["never"] = call("trains", "tests.loops:report_many", resume="never") + [len(started)]
 started.clear(); taken.clear()
 out["must"] = call("no-such-run", "tests.loops:report_many", resume="must") + [len(started)]
-from ft_train import driver
-held = driver.prepare_run("tests.loops:report_many", {{}}, ft_train.ScalingConfig(num_workers=2),
+from ft_train.driver import prepare
+held = prepare.prepare_run("tests.loops:report_many", {{}}, ft_train.ScalingConfig(num_workers=2),
                           ft_train.RunConfig(name="held", storage_path={storage!r}),
                           log=lambda m: None)  # another driver (in this process) trains "held"
 started.clear(); taken.clear()
@@ -152,15 +160,23 @@ print(json.dumps(out))
 """
 
 
-def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(prefect_api, tmp_path):
+def test_a_python_call_of_the_flow_starts_its_local_cluster_ahead_and_the_run_takes_it(
+    prefect_api, tmp_path
+):
     """The cluster (forking from a server that imports torch) starts while Prefect starts; a run
     on an existing cluster, a rerun of a finished run, a call for a run that another driver
     trains or that `resume` refuses starts nothing, and a call that fails early leaves nothing
     running."""
     script = DRIVER.format(repo=REPO, storage=str(tmp_path / "runs"))
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["address"] == ["TrainLoopImportError", False, [], 0], out  # nothing started
@@ -180,8 +196,9 @@ def loader_worker_pids(n: int) -> list[int]:
     """Run as a rank would: start a DataLoader with worker processes and keep it."""
     import torch.utils.data
 
-    loader = torch.utils.data.DataLoader(range(n), num_workers=n, persistent_workers=True,
-                                         collate_fn=pid_of)
+    loader = torch.utils.data.DataLoader(
+        range(n), num_workers=n, persistent_workers=True, collate_fn=pid_of
+    )
     loader_worker_pids.kept = loader  # its processes live while the rank does
     return sorted(set(iter(loader)))
 
@@ -189,7 +206,7 @@ def loader_worker_pids(n: int) -> list[int]:
 PRELOADED = """
 import json, sys
 sys.path.insert(0, {repo!r})
-from ft_train import cluster
+from ft_train.driver import cluster
 from ft_train.config import ClusterConfig, ScalingConfig
 
 with cluster.dask_client(ClusterConfig(preload=["wave"]), ScalingConfig(num_workers=1)) as client:
@@ -199,8 +216,12 @@ with cluster.dask_client(ClusterConfig(preload=["wave"]), ScalingConfig(num_work
 
 def test_cluster_preload_is_imported_by_the_fork_server_that_workers_fork_from():
     """A process of its own: this one's fork server has started already."""
-    proc = subprocess.run([sys.executable, "-c", PRELOADED.format(repo=REPO)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELOADED.format(repo=REPO)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     on_workers, in_driver = json.loads(proc.stdout.splitlines()[-1])
     assert list(on_workers.values()) == [True, True], on_workers  # the rank's worker and the spare

@@ -3,7 +3,7 @@
 Hypothesis draws a run: a `CheckpointConfig` (num_to_keep, a score attribute and order) and a
 sequence of operations, each a checkpoint save (one or more ranks, a few files of random sizes,
 a random score) or a driver restart (the driver ends cleanly or is killed). The sequence runs
-through the real code: `driver.prepare_run` (lease, run state, orphan sweep), ranks' `Session.
+through the real code: `prepare.prepare_run` (lease, run state, orphan sweep), ranks' `Session.
 report` (uploads), `ReportRounds` and `CheckpointManager.commit` (manifest, run state, sealing,
 retention). If it makes W storage writes, it runs W more times on fresh storage, stopping dead
 after write 1, 2, ..., W (`CrashingStorage` raises `Crash`, a BaseException no library code may
@@ -28,20 +28,23 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import fsspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ft_train import driver
-from ft_train.checkpoint import Checkpoint
-from ft_train.checkpoint_manager import CHECKPOINT_DIR, CheckpointManager, checkpoint_dir_name
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
-from ft_train.run_state import RunStore
-from ft_train.session import Session
-from ft_train.storage import Storage, local_files
+from ft_train.driver import prepare
+from ft_train.storage.checkpoint import Checkpoint
+from ft_train.storage.checkpoint_manager import (
+    CHECKPOINT_DIR,
+    CheckpointManager,
+    checkpoint_dir_name,
+)
+from ft_train.storage.fs import Storage, local_files
+from ft_train.storage.run_state import RunStore
+from ft_train.worker.session import Session
 from tests.test_storage_invariants import commit_round, rank_spec, write_tree
 
 NOOP = "tests.test_storage_invariants:noop_train_loop"
@@ -54,8 +57,20 @@ INDEX_CHUNK = 2  # so that runs with num_to_keep=None seal index chunks within a
 # also be counted by CrashingStorage.
 MUTATING = {"write_atomic", "write_if", "upload_dir", "_put_file", "delete_dir"}
 READ_ONLY = {
-    "__init__", "__getstate__", "__setstate__", "__repr__", "fs", "is_local", "_is_s3", "full",
-    "uri", "read_bytes", "read_many", "_cat", "read_versioned", "list_dir",
+    "__init__",
+    "__getstate__",
+    "__setstate__",
+    "__repr__",
+    "fs",
+    "is_local",
+    "_is_s3",
+    "full",
+    "uri",
+    "read_bytes",
+    "read_many",
+    "_cat",
+    "read_versioned",
+    "list_dir",
     "download_files",  # writes local files only
     "unusable",  # looks at the root, writes nothing
 }
@@ -70,7 +85,7 @@ class Budget:
     """The storage writes of one run, counted across every driver and rank of it: the
     `crash_after`-th write is the last one; the process is dead from then on."""
 
-    def __init__(self, crash_after: Optional[int]):
+    def __init__(self, crash_after: int | None):
         self.crash_after, self.writes, self.crashed = crash_after, 0, False
         self._lock = threading.Lock()  # the lease's renewal thread writes too
 
@@ -138,8 +153,8 @@ def test_every_storage_method_is_classified():
 
 @dataclass(frozen=True)
 class Save:
-    ranks: tuple[Optional[tuple[tuple[str, int, int], ...]], ...]  # per rank: (name, size, seed)
-    score: Union[int, float, None]
+    ranks: tuple[tuple[tuple[str, int, int], ...] | None, ...]  # per rank: (name, size, seed)
+    score: int | float | None
 
 
 @dataclass(frozen=True)
@@ -148,20 +163,27 @@ class Restart:
 
 
 rank_files = st.lists(
-    st.tuples(st.sampled_from(["model.pt", "optim.pt", "data.pt"]), st.integers(0, 3000),
-              st.integers(0, 2**16)),
-    min_size=1, max_size=2, unique_by=lambda f: f[0],
+    st.tuples(
+        st.sampled_from(["model.pt", "optim.pt", "data.pt"]),
+        st.integers(0, 3000),
+        st.integers(0, 2**16),
+    ),
+    min_size=1,
+    max_size=2,
+    unique_by=lambda f: f[0],
 ).map(tuple)
 saves = st.builds(
     Save,
     ranks=st.lists(st.one_of(st.none(), rank_files), min_size=1, max_size=3)
-    .filter(lambda ranks: any(r is not None for r in ranks)).map(tuple),
+    .filter(lambda ranks: any(r is not None for r in ranks))
+    .map(tuple),
     score=st.one_of(st.integers(-3, 3), st.none(), st.just(float("nan"))),
 )
 # Saves, each maybe followed by a restart (so that most examples save more than once).
 operations = st.lists(
     st.tuples(saves, st.one_of(st.none(), st.builds(Restart, st.booleans()))),
-    min_size=1, max_size=4,
+    min_size=1,
+    max_size=4,
 ).map(lambda steps: [op for step in steps for op in step if op is not None])
 configs = st.builds(
     CheckpointConfig,
@@ -185,8 +207,8 @@ class World:
     cfg: CheckpointConfig
     budget: Budget
     saved: dict[str, dict[str, bytes]] = field(default_factory=dict)
-    committed: Optional[str] = None  # the last checkpoint whose commit() returned
-    in_flight: Optional[str] = None  # the checkpoint being saved when the crash came
+    committed: str | None = None  # the last checkpoint whose commit() returned
+    in_flight: str | None = None  # the checkpoint being saved when the crash came
     drivers: int = 0
 
     def run_config(self) -> RunConfig:
@@ -203,8 +225,14 @@ class Driver:
         self.attempt = world.drivers
         self.attempt_id = f"{self.attempt:08x}" * 4  # a new one per driver, as uuid4 would be
         world.drivers += 1
-        self.plan = driver.prepare_run(NOOP, {}, ScalingConfig(), world.run_config(),
-                                       log=lambda msg: None, storage=self.storage)
+        self.plan = prepare.prepare_run(
+            NOOP,
+            {},
+            ScalingConfig(),
+            world.run_config(),
+            log=lambda msg: None,
+            storage=self.storage,
+        )
         self.manager = CheckpointManager(self.storage, self.plan.store, world.cfg, INDEX_CHUNK)
 
     def save(self, op: Save) -> None:
@@ -216,8 +244,9 @@ class Driver:
         metrics = {"step": index} if op.score is None else {"step": index, "score": op.score}
         msgs: list[dict] = []
         for rank, specs in enumerate(op.ranks):
-            spec = rank_spec(self.storage, w.name, rank, len(op.ranks), self.attempt,
-                             self.attempt_id, index - 1)
+            spec = rank_spec(
+                self.storage, w.name, rank, len(op.ranks), self.attempt, self.attempt_id, index - 1
+            )
             session = Session(spec, send=msgs.append)
             if specs is None:  # this rank attaches no checkpoint to the round
                 session.report(metrics)
@@ -242,7 +271,7 @@ class Driver:
 
 def play(world: World, ops: list, work: str) -> None:
     """Run `ops` until the end or the crash. A crash inside `prepare_run` leaves no driver."""
-    current: Optional[Driver] = None
+    current: Driver | None = None
     try:
         current = Driver(world, work)
         for op in ops:
@@ -265,8 +294,9 @@ def play(world: World, ops: list, work: str) -> None:
 def check_next_driver(world: World, work: str) -> None:
     """Start a driver on plain storage, as a rerun after the crash, and check what it finds."""
     storage = Storage(world.url)
-    plan = driver.prepare_run(NOOP, {}, ScalingConfig(), world.run_config(),
-                              log=lambda msg: None)  # raises if the run state does not parse
+    plan = prepare.prepare_run(
+        NOOP, {}, ScalingConfig(), world.run_config(), log=lambda msg: None
+    )  # raises if the run state does not parse
     try:
         state = plan.state
         where = f"writes={world.budget.writes} crash_after={world.budget.crash_after}"
@@ -307,8 +337,13 @@ def prove(url: str, cfg: CheckpointConfig, ops: list, work: str) -> int:
         crash_after += 1
 
 
-PROOF = settings(max_examples=15, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+PROOF = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

@@ -26,7 +26,6 @@ from ft_train.config import (
 # -- RunConfig.name: one directory under storage_path ----------------------------------------------
 
 
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -181,11 +180,17 @@ def test_cluster_address_urls_are_accepted(address):
     assert ClusterConfig(address=address).address == address
 
 
-@pytest.mark.parametrize("preload, message", [
-    (["sklearn datasets"], "cluster.preload[0] 'sklearn datasets' is not a module name"),
-    (["json", "no_such_package_ft.sub"], "cluster.preload[1] 'no_such_package_ft.sub': no package "
-                                         "'no_such_package_ft' is installed here; install it"),
-])
+@pytest.mark.parametrize(
+    "preload, message",
+    [
+        (["sklearn datasets"], "cluster.preload[0] 'sklearn datasets' is not a module name"),
+        (
+            ["json", "no_such_package_ft.sub"],
+            "cluster.preload[1] 'no_such_package_ft.sub': no package "
+            "'no_such_package_ft' is installed here; install it",
+        ),
+    ],
+)
 def test_cluster_preload_names_installed_modules(preload, message):
     with pytest.raises(ValidationError, match=message.replace(".", r"\.").replace("[", r"\[")):
         ClusterConfig(preload=preload)

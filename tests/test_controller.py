@@ -9,16 +9,24 @@ import time
 import pytest
 
 import ft_train
-from ft_train.checkpoint_manager import CheckpointManager
-from ft_train.controller import (
-    Callback, Controller, Draining, Errored, Finished, GroupPlan, Preempting, Resizing,
-    Restarting, Running,
-)
 from ft_train import knobs
-from ft_train.protocol import Report, Reported
+from ft_train.controller import (
+    Callback,
+    Controller,
+    Draining,
+    Errored,
+    Finished,
+    GroupPlan,
+    Preempting,
+    Resizing,
+    Restarting,
+    Running,
+)
 from ft_train.errors import RunLockedError, SessionError, TrainingFailedError, WorkerGroupError
-from ft_train.run_state import RunState, RunStore
-from ft_train.storage import Storage
+from ft_train.protocol import Report, Reported
+from ft_train.storage.checkpoint_manager import CheckpointManager
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunState, RunStore
 from tests.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.timeout(10)  # a step with no event to wait for would block
@@ -55,16 +63,33 @@ def make(tmp_path):
         store = RunStore(storage, "run")
         state = RunState(name="run")
         cfg = ft_train.CheckpointConfig(**failure.pop("checkpoint", {}))
-        plan = GroupPlan(train_loop="x:y", config={}, name="run", storage=storage,
-                         min_workers=min(ranks, failure.pop("min_workers", ranks)),
-                         max_workers=ranks, use_gpu=False, start_timeout_s=1.0,
-                         collective_timeout_s=1800.0, agreement_interval_s=0.0, elastic_wait_s=0.0)
+        plan = GroupPlan(
+            train_loop="x:y",
+            config={},
+            name="run",
+            storage=storage,
+            min_workers=min(ranks, failure.pop("min_workers", ranks)),
+            max_workers=ranks,
+            use_gpu=False,
+            start_timeout_s=1.0,
+            collective_timeout_s=1800.0,
+            agreement_interval_s=0.0,
+            elastic_wait_s=0.0,
+        )
         cluster, recorder = FakeCluster(workers), Recorder()
         failure.setdefault("hang_timeout_s", None)
-        ctl = Controller(cluster, plan, state, store, CheckpointManager(storage, store, cfg),
-                         ft_train.FailureConfig(**failure), log=lambda msg: None,
-                         callbacks=[recorder])
+        ctl = Controller(
+            cluster,
+            plan,
+            state,
+            store,
+            CheckpointManager(storage, store, cfg),
+            ft_train.FailureConfig(**failure),
+            log=lambda msg: None,
+            callbacks=[recorder],
+        )
         return ctl, cluster, recorder
+
     return make
 
 
@@ -239,11 +264,14 @@ def test_a_worker_the_scheduler_dropped_silently_is_found_when_its_peer_is_judge
     assert group.journal_skips[-1] == {group.addresses[1]}  # its node's journals are gone too
 
 
-@pytest.mark.parametrize("how, kind", [
-    ({"cancelled": True}, "node_loss"),
-    ({"error": OSError("gone"), "worker_died": True}, "process_death"),
-    ({"error": OSError("odd")}, "process_death"),
-])
+@pytest.mark.parametrize(
+    "how, kind",
+    [
+        ({"cancelled": True}, "node_loss"),
+        ({"error": OSError("gone"), "worker_died": True}, "process_death"),
+        ({"error": OSError("odd")}, "process_death"),
+    ],
+)
 def test_a_rank_task_that_ended_without_raising_itself_is_charged_by_how(make, how, kind):
     ctl, _, _ = make(max_failures=1)
     started(ctl).ended(1, **how)
@@ -275,7 +303,7 @@ def test_the_budget_spent_ends_the_run_naming_the_setting(make):
 
 def test_unlimited_failures_keep_restarting(make):
     ctl, _, _ = make(max_failures=-1, workers=30)
-    for attempt in range(10):
+    for _ in range(10):
         started(ctl).joined().raised(0, "boom", step=0)
         with pytest.raises(WorkerGroupError):
             ctl.run_segment()
@@ -370,8 +398,12 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_one_before_restored(make
     group.report(2, checkpoint=True)
     ctl.run_segment()
     damaged, kept = ctl.state.latest, ctl.state.checkpoints[0].dir_name
-    group.raised(0, "CheckpointDamagedError: sha256 differs", step=2,
-                 damaged=ctl.manager.latest_uri(ctl.state))
+    group.raised(
+        0,
+        "CheckpointDamagedError: sha256 differs",
+        step=2,
+        damaged=ctl.manager.latest_uri(ctl.state),
+    )
     go(ctl)
     assert isinstance(ctl.current, Restarting) and ctl.state.latest == kept
     assert damaged not in [c.dir_name for c in ctl.state.checkpoints]
@@ -416,5 +448,8 @@ def test_a_ctrl_c_is_recorded_uncharged_and_stops_the_ranks(make):
     ctl.abort(KeyboardInterrupt())
     assert group.stopped and isinstance(ctl.current, Errored)
     assert ctl.state.status == "interrupted"
-    assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].charged) == ("driver_interrupt", False)
+    assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].charged) == (
+        "driver_interrupt",
+        False,
+    )
     assert ("failure", "driver_interrupt") in rec.calls

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from flows import ephemeral
-from ft_train.run_state import RunStore
-from ft_train.storage import Storage
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunStore
 from tests.helpers import wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
 TRACEBACK = "Traceback (most recent call last):"
-INJECTED = "ft_train.faults.InjectedFault: injected fault on rank 1 at step"
+INJECTED = "ft_train.testing.faults.InjectedFault: injected fault on rank 1 at step"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,9 @@ def stored_state(storage, name: str):
     return RunStore(Storage(storage.path, storage.options), name).load()
 
 
-def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(storage, cli_env, tmp_path, request):
+def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
+    storage, cli_env, tmp_path, request
+):
     """On a local path in Prefect's ephemeral mode, as on a fresh machine; on S3 against a
     running Prefect server (PREFECT_API_URL), as where a team shares one. The rerun runs on the
     server only: what it checks is ft-train's, and in ephemeral mode it would add a temporary
@@ -157,7 +159,9 @@ def assert_the_server_has_the_flow_run(name: str) -> None:
     assert run.state.is_completed()
 
 
-def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(cli_env, tmp_path, prefect_api):
+def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(
+    cli_env, tmp_path, prefect_api
+):
     """Against the session's Prefect server: the ephemeral path is the first test's."""
     store = str(tmp_path / "runs")
     run = ft_train_cli(
@@ -210,15 +214,23 @@ print(json.dumps(out))
 """
 
 
-def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_exit(cli_env, tmp_path):
+def test_a_python_call_starts_prefects_temporary_server_at_once_and_it_stops_at_exit(
+    cli_env, tmp_path
+):
     """In ephemeral mode the call starts Prefect's server process as it begins; the calling
     process never imports the server's code (Prefect would, for seconds, before it starts the
     process). Both calls' flow runs are on that one server, which stops when the process exits.
     Prefect's settings at their defaults. (A first start, which creates the database, longer than
     Prefect's 20 s default wait on 2 cores at times, is the module's first test's.)"""
     env = {**cli_env, "PYTHONPATH": REPO}  # the module's Prefect home
-    proc = subprocess.run([sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", EPHEMERAL_DRIVER, str(tmp_path / "runs")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["statuses"] == ["finished", "finished"], out
@@ -244,10 +256,20 @@ def test_a_startup_timeout_the_user_set_is_kept_and_named_when_it_passes(cli_env
         "train(train_loop='tests.loops:report_many', train_loop_config={'n': 3},\n"
         "      run_config=ft_train.RunConfig(name='late', storage_path=sys.argv[1]))\n"
     )
-    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "runs")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **cli_env,
+        "PYTHONPATH": REPO,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "runs")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timeout 1.0" in proc.stdout, proc.stdout
     assert traceback_endings(proc.stderr) == [
@@ -277,27 +299,50 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(cli
     import psutil
 
     env = {**cli_env, "PYTHONPATH": REPO}  # the module's Prefect home: its database exists by now
-    proc = subprocess.run([sys.executable, "-c", SERVER_START, "killed"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVER_START, "killed"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     pid = int(proc.stdout.split()[2])
 
     try:
-        wait_for(lambda: gone(pid), 30, "the temporary server to stop after the process that started it was killed")
+        wait_for(
+            lambda: gone(pid),
+            30,
+            "the temporary server to stop after the process that started it was killed",
+        )
     except AssertionError:
         psutil.Process(pid).kill()  # leave nothing behind for the next tests
         raise
 
 
-def test_a_temporary_server_that_cannot_start_fails_the_call_at_once_with_its_own_output(cli_env, tmp_path):
+def test_a_temporary_server_that_cannot_start_fails_the_call_at_once_with_its_own_output(
+    cli_env, tmp_path
+):
     """A server whose app fails to start (here: a database it cannot open) is not started again
     until the timeout passes: the call fails as soon as it exits, and the user sees its error."""
-    env = {**cli_env, "PYTHONPATH": REPO, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db"}
-    proc = subprocess.run([sys.executable, "-c", SERVER_START, "-"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=200)
+    env = {
+        **cli_env,
+        "PYTHONPATH": REPO,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVER_START, "-"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "unable to open database file" in proc.stderr, proc.stderr[-3000:]  # the server's own
     assert proc.stderr.count("Application startup failed") == 1, proc.stderr  # not started again
     assert proc.stderr.splitlines()[-1] == (
-        "RuntimeError: Prefect's temporary server exited with status 3; its output above says why")
+        "RuntimeError: Prefect's temporary server exited with status 3; its output above says why"
+    )

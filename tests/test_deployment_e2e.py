@@ -124,13 +124,27 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage):
     run_config = {"name": name, "storage_path": storage.path, "storage_options": storage.options}
     done = subprocess.run(
         PREFECT
-        + ["deployment", "run", DEPLOYMENT,
-           "--param", f"run_config={json.dumps(run_config)}",
-           "--param", 'train_loop_config={"epochs": 1, "checkpoint_every": 5}',
-           "--watch", "--watch-timeout", "240"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        + [
+            "deployment",
+            "run",
+            DEPLOYMENT,
+            "--param",
+            f"run_config={json.dumps(run_config)}",
+            "--param",
+            'train_loop_config={"epochs": 1, "checkpoint_every": 5}',
+            "--watch",
+            "--watch-timeout",
+            "240",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    output = f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n--- worker log ---\n{_tail(worker_log)}"
+    output = (
+        f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n--- worker log ---\n{_tail(worker_log)}"
+    )
     assert done.returncode == 0, f"the deployment run did not complete:\n{output}"
 
     match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)

@@ -23,14 +23,15 @@ import fsspec
 import pytest
 
 import ft_train
-from ft_train import download_cache, knobs
-from ft_train.checkpoint import Checkpoint
-from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train import knobs
 from ft_train.config import CheckpointConfig
-from ft_train.run_state import RunState, RunStore
-from ft_train.session import Session
-from ft_train.storage import Storage
-from ft_train.uploads import STAGING
+from ft_train.storage.checkpoint import Checkpoint
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunState, RunStore
+from ft_train.worker import download_cache
+from ft_train.worker.session import Session
+from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
 from tests.test_storage_invariants import commit_round, rank_spec, write_tree
 
@@ -68,8 +69,10 @@ def disk_bytes(root: Path) -> int:
 
 
 def checkpoint_files(tag: str) -> dict[str, bytes]:
-    return {"model.pt": tag.encode().ljust(FILE_BYTES, b"m"),
-            "optim.pt": tag.encode().ljust(FILE_BYTES, b"o")}
+    return {
+        "model.pt": tag.encode().ljust(FILE_BYTES, b"m"),
+        "optim.pt": tag.encode().ljust(FILE_BYTES, b"o"),
+    }
 
 
 def cache_entries(node: Path) -> set[str]:
@@ -97,8 +100,14 @@ def read_dir(d: str) -> dict[str, bytes]:
 # -- hundreds of restores -------------------------------------------------------------------------
 
 
-def attempt(storage: Storage, manager: CheckpointManager, state: RunState, number: int,
-            peaks: dict[str, int], node: Path) -> None:
+def attempt(
+    storage: Storage,
+    manager: CheckpointManager,
+    state: RunState,
+    number: int,
+    peaks: dict[str, int],
+    node: Path,
+) -> None:
     """One attempt of a one-rank run: restore the latest checkpoint, then save the next in a
     `staging_dir` and report it with an asynchronous upload; the driver commits it."""
     spec = rank_spec(storage, state.name, 0, 1, number, f"{number:032x}", state.report_index)
@@ -111,8 +120,11 @@ def attempt(storage: Storage, manager: CheckpointManager, state: RunState, numbe
             peaks["cache"] = max(peaks["cache"], disk_bytes(node / download_cache.CACHE))
     with ft_train.staging_dir() as d:
         write_tree(d, checkpoint_files(f"attempt {number}"))
-        session.report({"step": number}, checkpoint=Checkpoint.from_directory(d),
-                       checkpoint_upload_mode="async")
+        session.report(
+            {"step": number},
+            checkpoint=Checkpoint.from_directory(d),
+            checkpoint_upload_mode="async",
+        )
         peaks["staging"] = max(peaks["staging"], disk_bytes(node / STAGING))
     session.finish()  # the rank returns: its uploads are done
     session.close()
@@ -133,8 +145,10 @@ def test_disk_stays_flat_over_hundreds_of_restores(node, remote):
 
     entry = 2 * FILE_BYTES + 1024  # a checkpoint's files and its manifest
     downloaded = restores * 2 * FILE_BYTES  # what the cache held before it was evicted
-    print(f"\n{restores} restores: {downloaded} bytes downloaded; peak {peaks['cache']} bytes "
-          f"in the cache, {peaks['staging']} in staging")
+    print(
+        f"\n{restores} restores: {downloaded} bytes downloaded; peak {peaks['cache']} bytes "
+        f"in the cache, {peaks['staging']} in staging"
+    )
     assert peaks["cache"] <= knobs.DOWNLOAD_CACHE_KEEP * entry
     assert peaks["staging"] <= 2 * FILE_BYTES  # one checkpoint, its snapshot hard-linked
     assert disk_bytes(node / download_cache.CACHE) <= knobs.DOWNLOAD_CACHE_KEEP * entry
@@ -147,7 +161,9 @@ def test_an_entry_in_use_survives_eviction(node, remote, tmp_path):
     storage = Storage(remote)
     target, *others = commit_plain(storage, "in-use", knobs.DOWNLOAD_CACHE_KEEP + 3, tmp_path)
     with target.as_directory() as d:
-        for ckpt in others:  # each download evicts what is past DOWNLOAD_CACHE_KEEP, but not what is open
+        for (
+            ckpt
+        ) in others:  # each download evicts what is past DOWNLOAD_CACHE_KEEP, but not what is open
             with ckpt.as_directory():
                 pass
         assert read_dir(d) == checkpoint_files("in-use-1")
@@ -188,7 +204,7 @@ KILLED_RANK = """
 import json, os, signal, sys, tempfile, threading
 from pathlib import Path
 import ft_train
-from ft_train.checkpoint import Checkpoint
+from ft_train.storage.checkpoint import Checkpoint
 a = json.loads(sys.argv[1])
 tempfile.tempdir = a["node"]
 staging = ft_train.staging_dir()  # held until the kill: never closed
@@ -220,9 +236,14 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
     storage = Storage(target.path, target.options)
     ckpts = commit_plain(storage, "killed", knobs.DOWNLOAD_CACHE_KEEP + 3, tmp_path)
     args = dict(node=str(node), urls=[c.path for c in ckpts[:2]], options=target.options)
-    proc = subprocess.run([sys.executable, "-c", KILLED_RANK, json.dumps(args)], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RANK, json.dumps(args)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     cache = node / download_cache.CACHE
     left = {download_cache.key_of(c.path) for c in ckpts[:2]}

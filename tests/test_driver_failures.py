@@ -13,9 +13,9 @@ from uuid import UUID
 
 import pytest
 
+from ft_train.driver.lease import LEASE_FILE, LeaseDoc
 from ft_train.errors import RunLockedError
-from ft_train.lease import LEASE_FILE, LeaseDoc
-from ft_train.run_state import STATE_FILE, now
+from ft_train.storage.run_state import STATE_FILE, now
 from tests.conftest import StorageTarget, on_storage
 from tests.helpers import (
     assert_bit_identical,
@@ -32,12 +32,20 @@ REPO = str(Path(__file__).resolve().parents[1])
 
 def start_driver(storage, name, config, api_url, tmp_path) -> subprocess.Popen:
     env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO)
-    args = dict(repo=REPO, name=name, config=config, storage_path=storage.path,
-                storage_options=storage.options)
+    args = dict(
+        repo=REPO,
+        name=name,
+        config=config,
+        storage_path=storage.path,
+        storage_options=storage.options,
+    )
     log = open(tmp_path / f"driver-{name}.log", "w")
     return subprocess.Popen(
         [sys.executable, str(Path(REPO) / "tests" / "driver_script.py"), json.dumps(args)],
-        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the driver and its local Dask cluster
     )
 
@@ -59,11 +67,15 @@ def wait_exit(driver: subprocess.Popen, timeout_s: float, log: Path) -> int:
 def reference_weights(prefect_api, tmp_path_factory):
     """The final weights of an uninterrupted run of the same training (computed once)."""
     storage = StorageTarget("local", str(tmp_path_factory.mktemp("reference")))
-    return final_weights(train_demo(storage, "reference", demo_config(epochs=2, checkpoint_every=5)))
+    return final_weights(
+        train_demo(storage, "reference", demo_config(epochs=2, checkpoint_every=5))
+    )
 
 
 @pytest.mark.parametrize(
-    "storage, sig", [("s3", signal.SIGKILL), ("local", signal.SIGINT)], ids=["s3-sigkill", "local-ctrl-c"],
+    "storage, sig",
+    [("s3", signal.SIGKILL), ("local", signal.SIGINT)],
+    ids=["s3-sigkill", "local-ctrl-c"],
     indirect=["storage"],
 )
 def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
@@ -136,9 +148,12 @@ def test_ctrl_c_ends_the_driver_while_a_worker_is_frozen(tmp_path, prefect_api):
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
     assert load_state(storage, "frozen").status == "interrupted"
+
     # The frozen worker goes too (the fork server it came from follows the driver out).
     def group() -> list[str]:
-        return subprocess.run(["pgrep", "-g", str(driver.pid)], capture_output=True, text=True).stdout.split()
+        return subprocess.run(
+            ["pgrep", "-g", str(driver.pid)], capture_output=True, text=True
+        ).stdout.split()
 
     try:
         wait_for(lambda: not group(), 15, "the driver's processes to exit")
@@ -146,7 +161,9 @@ def test_ctrl_c_ends_the_driver_while_a_worker_is_frozen(tmp_path, prefect_api):
         subprocess.run(["pkill", "-KILL", "-g", str(driver.pid)])
 
 
-def test_ctrl_c_while_prefect_creates_a_task_run_is_an_interrupt(tmp_path, prefect_api, monkeypatch):
+def test_ctrl_c_while_prefect_creates_a_task_run_is_an_interrupt(
+    tmp_path, prefect_api, monkeypatch
+):
     """Ctrl+C that lands while Prefect creates a segment's task run: Prefect's crash handler
     then raises its own error in its place (ValueError: Task run is not set). The run is still
     recorded as interrupted, not failed, and the caller gets the KeyboardInterrupt (the CLI
@@ -170,7 +187,9 @@ def test_ctrl_c_while_prefect_creates_a_task_run_is_an_interrupt(tmp_path, prefe
 
 
 @on_storage("local")
-def test_a_driver_whose_run_another_driver_took_over_stops_without_writing(storage, tmp_path, prefect_api):
+def test_a_driver_whose_run_another_driver_took_over_stops_without_writing(
+    storage, tmp_path, prefect_api
+):
     """Another driver takes the run's lease (as one on another machine does once this one has
     gone a ttl without renewing it): this driver notices at its next renewal, stops its ranks
     and exits with RunLockedError, and writes nothing more to the run."""
@@ -180,14 +199,25 @@ def test_a_driver_whose_run_another_driver_took_over_stops_without_writing(stora
     runs = fresh(storage)
     try:
         wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 1 to hold at step 3")
-        thief = LeaseDoc(owner="thief", machine="another-machine", host="node-7", pid=4242,
-                         pid_started=1.0, ttl_s=30.0, acquired_at=now(), renewed_at=now())
+        thief = LeaseDoc(
+            owner="thief",
+            machine="another-machine",
+            host="node-7",
+            pid=4242,
+            pid_started=1.0,
+            ttl_s=30.0,
+            acquired_at=now(),
+            renewed_at=now(),
+        )
         runs.write_atomic(f"taken/{LEASE_FILE}", thief.model_dump_json().encode())
         before = runs.read_bytes(f"taken/{STATE_FILE}")
         assert wait_exit(driver, 60, log) != 0
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-    assert "RunLockedError" in log.read_text() and "another driver took the run over" in log.read_text()
+    assert (
+        "RunLockedError" in log.read_text()
+        and "another driver took the run over" in log.read_text()
+    )
     assert runs.read_bytes(f"taken/{STATE_FILE}") == before  # no failure, no status written
     assert LeaseDoc.model_validate_json(runs.read_bytes(f"taken/{LEASE_FILE}")).owner == "thief"

@@ -1,4 +1,4 @@
-"""A rank's journal (`ft_train.journal`): what report() leaves outside its process."""
+"""A rank's journal (`ft_train.worker.journal`): what report() leaves outside its process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 import sys
 import textwrap
 
-from ft_train.journal import Journal, collect
 from ft_train.protocol import Report, UploadIntent
+from ft_train.worker.journal import Journal, collect
 
 
 def test_what_a_rank_journaled_is_collected_once_then_removed(tmp_path):
@@ -44,7 +44,7 @@ def test_once_every_rank_reached_a_report_the_older_lines_go(tmp_path):
 def test_the_journal_outlives_a_process_killed_the_instant_after_report_returned(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
-        from ft_train.journal import Journal
+        from ft_train.worker.journal import Journal
         from ft_train.protocol import Report
         journal = Journal("run", "attempt", rank=1, root={str(tmp_path)!r})
         journal.joined(0)
@@ -55,7 +55,9 @@ def test_the_journal_outlives_a_process_killed_the_instant_after_report_returned
     proc = subprocess.run([sys.executable, "-c", code])
     assert proc.returncode == -signal.SIGKILL
     found = collect("run", "attempt", root=str(tmp_path))
-    assert found[1]["index"] == 1 and found[1]["messages"][0]["dir_name"].startswith("checkpoint_000001")
+    assert found[1]["index"] == 1 and found[1]["messages"][0]["dir_name"].startswith(
+        "checkpoint_000001"
+    )
 
 
 def test_a_later_attempt_sweeps_the_journals_of_the_earlier_ones(tmp_path):

@@ -1,4 +1,4 @@
-"""One driver per run: the lease on storage (`ft_train.lease`), on a local path and on S3.
+"""One driver per run: the lease on storage (`ft_train.driver.lease`), on a local path and on S3.
 
 The processes that hold a lease here are real ones: this test process, and a driver process
 killed with SIGKILL. A holder "on another machine" is a lease document naming another machine,
@@ -19,10 +19,10 @@ import pytest
 
 import ft_train
 from cli import main as cli
-from ft_train import driver
+from ft_train.driver import prepare
+from ft_train.driver.lease import LEASE_FILE, LeaseDoc, RunLease
 from ft_train.errors import RunLockedError
-from ft_train.lease import LEASE_FILE, LeaseDoc, RunLease
-from ft_train.run_state import STATE_FILE, RunState, RunStore, now
+from ft_train.storage.run_state import STATE_FILE, RunState, RunStore, now
 from tests.conftest import on_storage
 from tests.helpers import fresh, wait_for
 
@@ -33,20 +33,34 @@ def noop_train_loop(config):
     """An importable train_loop for `prepare_run`; never called."""
 
 
-def prepare(target, name: str, holder: str = "") -> driver.RunPlan:
-    return driver.prepare_run(
-        f"{__name__}:noop_train_loop", {}, ft_train.ScalingConfig(),
+def prepare(target, name: str, holder: str = "") -> prepare.RunPlan:
+    return prepare.prepare_run(
+        f"{__name__}:noop_train_loop",
+        {},
+        ft_train.ScalingConfig(),
         ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options),
-        log=lambda msg: None, holder=holder,
+        log=lambda msg: None,
+        holder=holder,
     )
 
 
-def foreign_lease(target, name: str, ttl_s: float, renewals: int = 0, age_s: float = 0.0) -> LeaseDoc:
+def foreign_lease(
+    target, name: str, ttl_s: float, renewals: int = 0, age_s: float = 0.0
+) -> LeaseDoc:
     """Write the lease of a driver on another machine, last renewed `age_s` ago."""
     at = now() - timedelta(seconds=age_s)
-    doc = LeaseDoc(owner="elsewhere-owner", machine="another-machine", host="node-7", pid=4242,
-                   pid_started=1.0, holder="flow run 'nightly' (x)", ttl_s=ttl_s,
-                   acquired_at=at, renewed_at=at, renewals=renewals)
+    doc = LeaseDoc(
+        owner="elsewhere-owner",
+        machine="another-machine",
+        host="node-7",
+        pid=4242,
+        pid_started=1.0,
+        holder="flow run 'nightly' (x)",
+        ttl_s=ttl_s,
+        acquired_at=at,
+        renewed_at=at,
+        renewals=renewals,
+    )
     fresh(target).write_atomic(f"{name}/{LEASE_FILE}", doc.model_dump_json().encode())
     return doc
 
@@ -68,9 +82,21 @@ def demo(target, name: str) -> subprocess.CompletedProcess:
     """`ft-train demo` for run `name`, as a user starts it."""
     options = [f"--storage-option={k}={v}" for k, v in target.options.items()]
     return subprocess.run(
-        [sys.executable, "-m", "cli", "demo", "--name", name,
-         "--storage-path", target.path, *options],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "demo",
+            "--name",
+            name,
+            "--storage-path",
+            target.path,
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
     )
 
 
@@ -103,26 +129,38 @@ def test_a_lease_left_by_a_killed_driver_on_this_machine_is_taken_at_once(storag
         "import sys, ft_train\n"
         "from ft_train import driver\n"
         f"sys.path.insert(0, {REPO!r})\n"
-        "driver.prepare_run('tests.test_lease:noop_train_loop', {}, ft_train.ScalingConfig(),\n"
+        "prepare.prepare_run('tests.test_lease:noop_train_loop', {}, ft_train.ScalingConfig(),\n"
         f"    ft_train.RunConfig(name='run', storage_path={storage.path!r},\n"
         f"                       storage_options={storage.options!r}), log=lambda m: None)\n"
         "print('held', flush=True)\n"
         "sys.stdin.read()\n"
     )
-    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunLockedError, match=f"pid {holder.pid} "):
             prepare(storage, "run")
-        assert re.search(rf"driver +pid {holder.pid} on .*: training it now", status(storage, "run"))
+        assert re.search(
+            rf"driver +pid {holder.pid} on .*: training it now", status(storage, "run")
+        )
         refused = demo(storage, "run")  # at once: no Prefect server, no cluster started for it
         assert refused.returncode == 1, refused.stderr
-        assert re.search(rf"another driver \(pid {holder.pid} on .*use another --name", refused.stderr)
+        assert re.search(
+            rf"another driver \(pid {holder.pid} on .*use another --name", refused.stderr
+        )
         holder.send_signal(signal.SIGKILL)  # no release, no end recorded
         # not reaped yet (its parent is busy elsewhere): a zombie is gone all the same
-        wait_for(lambda: psutil.Process(holder.pid).status() == psutil.STATUS_ZOMBIE, 10,
-                 "the killed driver to become a zombie")
+        wait_for(
+            lambda: psutil.Process(holder.pid).status() == psutil.STATUS_ZOMBIE,
+            10,
+            "the killed driver to become a zombie",
+        )
         assert re.search(r"driver +pid .*: gone without an end", status(storage, "run"))
         plan = prepare(storage, "run")
     finally:

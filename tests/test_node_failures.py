@@ -12,8 +12,8 @@ import pytest
 from distributed import Client
 
 import ft_train
-from ft_train.rank import free_port
 from ft_train.knobs import AGREE_EVERY_MAX
+from ft_train.worker.rank import free_port
 from tests.conftest import StorageTarget, on_storage
 from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
 
@@ -32,17 +32,37 @@ class ExternalCluster:
         self.env = dict(os.environ, PYTHONPATH=REPO, DASK_DISTRIBUTED__WORKER__DAEMON="False")
         self.procs: dict[str, subprocess.Popen] = {}
         port = self.address.rsplit(":", 1)[1]
-        self._start("scheduler", [DASK, "scheduler", "--host", "127.0.0.1", "--port", port,
-                                  "--no-dashboard"])
+        self._start(
+            "scheduler",
+            [DASK, "scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard"],
+        )
 
     def _start(self, name, cmd):
         log = open(self.tmp_path / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def add_worker(self, name):
-        self._start(name, [DASK, "worker", self.address, "--name", name, "--nthreads", "1",
-                           "--no-nanny", "--no-dashboard"])
+        self._start(
+            name,
+            [
+                DASK,
+                "worker",
+                self.address,
+                "--name",
+                name,
+                "--nthreads",
+                "1",
+                "--no-nanny",
+                "--no-dashboard",
+            ],
+        )
 
     def workers(self) -> dict[str, str]:
         """name -> address of the workers the scheduler knows now."""
@@ -55,7 +75,9 @@ class ExternalCluster:
     def kill(self, name, sig=signal.SIGKILL):
         os.killpg(self.procs[name].pid, sig)
 
-    def train(self, storage, name, config=None, *, train_loop=DEMO, scaling=None, preload=(), **failure):
+    def train(
+        self, storage, name, config=None, *, train_loop=DEMO, scaling=None, preload=(), **failure
+    ):
         """The ft-train flow on this cluster: the demo on two ranks unless told otherwise;
         `failure` holds FailureConfig's fields."""
         from flows.train import train
@@ -65,7 +87,9 @@ class ExternalCluster:
             train_loop_config=config,
             scaling_config=scaling or ft_train.ScalingConfig(num_workers=2),
             run_config=ft_train.RunConfig(
-                name=name, storage_path=storage.path, storage_options=storage.options,
+                name=name,
+                storage_path=storage.path,
+                storage_options=storage.options,
                 failure_config=ft_train.FailureConfig(**failure),
             ),
             cluster=ft_train.ClusterConfig(address=self.address, preload=preload),
@@ -110,8 +134,9 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
     chaos = threading.Thread(target=lambda: killed.setdefault("at", take_away_w1()), daemon=True)
     chaos.start()
     scaling = ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=120)
-    result = cluster.train(storage, name, demo_config([hold]), scaling=scaling, max_failures=1,
-                           preload=["wave"])
+    result = cluster.train(
+        storage, name, demo_config([hold]), scaling=scaling, max_failures=1, preload=["wave"]
+    )
     chaos.join(timeout=10)
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     (failure,) = result.failures
@@ -137,7 +162,7 @@ def test_a_lost_worker_is_charged_even_when_the_schedulers_word_of_it_is_late(
     COLLATERAL_WAIT_S the driver looks at the scheduler's worker list itself and charges the
     failure to the lost worker. Blamed instead, rank 0 would have had its healthy worker
     killed, and with w1 gone for good only w2 would have been left for a group of two."""
-    from ft_train.worker_group import WorkerGroup
+    from ft_train.driver.worker_group import WorkerGroup
 
     monkeypatch.setattr(WorkerGroup, "_on_scheduler_event", lambda self, event: None)
     hold = fault(tmp_path, 1, 7, kind="wait")
@@ -151,7 +176,9 @@ def test_a_lost_worker_is_charged_even_when_the_schedulers_word_of_it_is_late(
     threading.Thread(target=take_away_w1, daemon=True).start()
     storage = StorageTarget("local", str(tmp_path / "runs"))
     scaling = ft_train.ScalingConfig(num_workers=2, worker_start_timeout_s=30)
-    result = cluster.train(storage, "late-word", demo_config([hold]), scaling=scaling, max_failures=1)
+    result = cluster.train(
+        storage, "late-word", demo_config([hold]), scaling=scaling, max_failures=1
+    )
     assert result.status == "finished" and result.metrics["resumed_from"] == 5
     assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]
     assert {"w0", "w2"} <= set(cluster.workers())  # the new group's
@@ -228,9 +255,14 @@ def test_elastic_group_goes_on_with_fewer_workers_then_grows_back(storage, tmp_p
 
 
 @pytest.mark.parametrize(
-    "storage, close", [("local", True), ("s3", False)], ids=["local-closed", "s3-removed"], indirect=["storage"]
+    "storage, close",
+    [("local", True), ("s3", False)],
+    ids=["local-closed", "s3-removed"],
+    indirect=["storage"],
 )
-def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tmp_path, cluster, close):
+def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(
+    storage, tmp_path, cluster, close
+):
     # rank 0 (on worker w0) holds at step 7 until its worker has notice to leave
     gate = fault(tmp_path, 0, 7, kind="until_preempted")
     retired_at = []
@@ -246,8 +278,14 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(storage, tm
     threading.Thread(target=retire_w0, daemon=True).start()
     config = demo_config([gate])
     # agreement_interval_s=0: the ranks agree at every report, so the report they learn at is exact
-    result = cluster.train(storage, f"retired-{close}", config, max_failures=0,
-                           preemption_grace_s=120, agreement_interval_s=0)
+    result = cluster.train(
+        storage,
+        f"retired-{close}",
+        config,
+        max_failures=0,
+        preemption_grace_s=120,
+        agreement_interval_s=0,
+    )
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)

@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ft_train import driver
-from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
-from ft_train.run_state import RunStore
+from ft_train.driver import prepare
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train.storage.run_state import RunStore
 from tests.helpers import fresh, load_state
 from tests.test_storage_invariants import (
     commit_round,
@@ -42,11 +42,11 @@ ATTEMPT_0, ATTEMPT_1 = "0a" * 16, "1b" * 16
 CRASHED_DRIVER = """
 import json, os, signal, sys
 from pathlib import Path
-from ft_train import driver
+from ft_train.driver import prepare
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
-from ft_train.checkpoint_manager import CheckpointManager
-from ft_train.run_state import STATE_FILE
-from ft_train.storage import Storage
+from ft_train.storage.checkpoint_manager import CheckpointManager
+from ft_train.storage.run_state import STATE_FILE
+from ft_train.storage.fs import Storage
 from tests.test_storage_invariants import commit_round, rank_files, report_round
 
 class DiesAtCommit(Storage):
@@ -61,7 +61,7 @@ cfg = CheckpointConfig(num_to_keep=2)
 run_config = RunConfig(name=a["name"], storage_path=a["path"], storage_options=a["options"],
                        checkpoint_config=cfg)
 storage = DiesAtCommit(a["path"], a["options"])
-plan = driver.prepare_run(a["noop"], {}, ScalingConfig(), run_config, storage=storage)
+plan = prepare.prepare_run(a["noop"], {}, ScalingConfig(), run_config, storage=storage)
 manager = CheckpointManager(plan.storage, plan.store, cfg)
 work = Path(a["work"])
 for i in (1, 2, 3):
@@ -76,19 +76,32 @@ print("not killed")
 
 
 def crash_a_driver(target, name: str, work: Path) -> None:
-    args = dict(name=name, path=target.path, options=target.options, noop=NOOP, work=str(work),
-                a0=ATTEMPT_0, a1=ATTEMPT_1)
+    args = dict(
+        name=name,
+        path=target.path,
+        options=target.options,
+        noop=NOOP,
+        work=str(work),
+        a0=ATTEMPT_0,
+        a1=ATTEMPT_1,
+    )
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-c", CRASHED_DRIVER, json.dumps(args)], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHED_DRIVER, json.dumps(args)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
 
 
-def start_driver(target, name: str, cfg: CheckpointConfig, logged: list[str]) -> driver.RunPlan:
-    run_config = RunConfig(name=name, storage_path=target.path, storage_options=target.options,
-                           checkpoint_config=cfg)
-    return driver.prepare_run(NOOP, {}, ScalingConfig(), run_config, log=logged.append)
+def start_driver(target, name: str, cfg: CheckpointConfig, logged: list[str]) -> prepare.RunPlan:
+    run_config = RunConfig(
+        name=name, storage_path=target.path, storage_options=target.options, checkpoint_config=cfg
+    )
+    return prepare.prepare_run(NOOP, {}, ScalingConfig(), run_config, log=logged.append)
 
 
 def test_next_driver_start_removes_a_killed_drivers_uncommitted_checkpoints(storage, tmp_path):
@@ -126,13 +139,16 @@ def test_driver_start_never_removes_a_sealed_checkpoint(storage, tmp_path):
     plan = start_driver(storage, name, cfg, [])
     manager = CheckpointManager(plan.storage, plan.store, cfg, index_chunk=2)
     for i in range(1, 6):  # chunks [1, 2] and [3, 4], the head [5]
-        msgs = report_round(plan.storage, name, i, rank_files(f"c{i}"), {"step": i}, 0, ATTEMPT_0,
-                            tmp_path)
+        msgs = report_round(
+            plan.storage, name, i, rank_files(f"c{i}"), {"step": i}, 0, ATTEMPT_0, tmp_path
+        )
         commit_round(manager, plan.state, msgs, i, 0)
-    old_orphan = report_round(plan.storage, name, 2, rank_files("x")[:1], {}, 1, ATTEMPT_1,
-                              tmp_path)[0].dir_name
-    new_orphan = report_round(plan.storage, name, 6, rank_files("y")[:1], {}, 1, ATTEMPT_1,
-                              tmp_path)[0].dir_name
+    old_orphan = report_round(
+        plan.storage, name, 2, rank_files("x")[:1], {}, 1, ATTEMPT_1, tmp_path
+    )[0].dir_name
+    new_orphan = report_round(
+        plan.storage, name, 6, rank_files("y")[:1], {}, 1, ATTEMPT_1, tmp_path
+    )[0].dir_name
     plan.release()  # the driver failed: it ended without sweeping
     committed = [checkpoint_dir_name(i, 0, ATTEMPT_0) for i in range(1, 6)]
     assert load_state(storage, name).sealed_chunks == 2

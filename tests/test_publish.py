@@ -11,7 +11,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
 import ft_train
-from ft_train.run_state import RunStore
+from ft_train.storage.run_state import RunStore
 from tasks.publish import artifact_key
 from tests.conftest import on_storage
 from tests.helpers import demo_config, events_of, fault, fresh, load_state, train_demo, wait_for
@@ -39,22 +39,37 @@ def test_artifact_keys_are_what_prefect_accepts_and_keep_runs_apart():
 
 
 @on_storage("local")
-def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifacts(storage, tmp_path):
+def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifacts(
+    storage, tmp_path
+):
     """A run fails (a rank raises, no retries left), then a rerun finishes it: each failure and
     checkpoint is an event of the run, sent while the run trains, each end is one too, and each
     flow run leaves tables of the run's checkpoints and failures."""
     name, gate = "published", tmp_path / "go-on"
-    config = demo_config([fault(tmp_path, 1, 7),  # the first flow run fails here
-                          {"rank": 0, "step": 11, "kind": "until_file", "path": str(gate)}])
+    config = demo_config(
+        [
+            fault(tmp_path, 1, 7),  # the first flow run fails here
+            {"rank": 0, "step": 11, "kind": "until_file", "path": str(gate)},
+        ]
+    )
     with pytest.raises(ft_train.TrainingFailedError):
         train_demo(storage, name, config)
     failed = load_state(storage, name)
     with ThreadPoolExecutor(1) as pool:  # the rerun, in the test's Prefect settings
         rerun = pool.submit(contextvars.copy_context().run, train_demo, storage, name, config)
         try:
-            wait_for(lambda: rerun.done() or any(e.payload.get("step") == 10 for e in events_of(name)
-                                                 if e.event == "ft-train.checkpoint.committed"),
-                     60, "the step-10 checkpoint's event while the run is held at step 11")
+            wait_for(
+                lambda: (
+                    rerun.done()
+                    or any(
+                        e.payload.get("step") == 10
+                        for e in events_of(name)
+                        if e.event == "ft-train.checkpoint.committed"
+                    )
+                ),
+                60,
+                "the step-10 checkpoint's event while the run is held at step 11",
+            )
             assert not rerun.done(), rerun.exception()
         finally:
             gate.touch()  # never leave the rerun held
@@ -62,8 +77,11 @@ def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifa
     assert result.status == "finished"
     state = load_state(storage, name)
 
-    wait_for(lambda: any(e.event == "ft-train.run.finished" for e in events_of(name)), 30,
-             "the run's events to be stored")
+    wait_for(
+        lambda: any(e.event == "ft-train.run.finished" for e in events_of(name)),
+        30,
+        "the run's events to be stored",
+    )
     events = events_of(name)
     names = [e.event for e in events]
     committed = [e for e in events if e.event == "ft-train.checkpoint.committed"]
@@ -72,14 +90,25 @@ def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifa
     assert first_run.count("ft-train.checkpoint.committed") == len(failed.checkpoints), names
     assert names[-1] == "ft-train.run.finished", names
     failure = events[names.index("ft-train.failure")]
-    assert (failure.payload["kind"], failure.payload["rank"], failure.payload["step"]) == ("exception", 1, 7)
+    assert (failure.payload["kind"], failure.payload["rank"], failure.payload["step"]) == (
+        "exception",
+        1,
+        7,
+    )
     assert [e.payload["step"] for e in committed] == [c.report_index for c in state.checkpoints]
     assert committed[-1].payload["path"] == result.checkpoint.path
     assert "loss" in committed[-1].payload["metrics"]
     finished = events[-1].payload
     assert finished["status"] == "finished" and finished["step"] == state.report_index
-    assert all(r.id.startswith("prefect.flow-run.") for e in events for r in e.related if r.role == "flow-run")
-    assert all(any(r.role == "flow-run" for r in e.related) for e in events), "each event names its flow run"
+    assert all(
+        r.id.startswith("prefect.flow-run.")
+        for e in events
+        for r in e.related
+        if r.role == "flow-run"
+    )
+    assert all(any(r.role == "flow-run" for r in e.related) for e in events), (
+        "each event names its flow run"
+    )
 
     checkpoints = artifacts_of(name, "checkpoints")
     assert len(checkpoints) == 2  # one version per flow run that ended

@@ -26,13 +26,13 @@ import pytest
 
 import ft_train
 from ft_train import preemption
-from ft_train.checkpoint import MANIFEST, Checkpoint
-from ft_train.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
-from ft_train.rank import _control_group, free_port
 from ft_train.knobs import AGREE_EVERY_MAX
-from ft_train.session import RankSpec, Session
-from ft_train.storage import Storage, file_digest
-from ft_train.uploads import Uploads
+from ft_train.storage.checkpoint import MANIFEST, Checkpoint
+from ft_train.storage.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
+from ft_train.storage.fs import Storage, file_digest
+from ft_train.worker.rank import _control_group, free_port
+from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.uploads import Uploads
 from tests.helpers import load_state, wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -41,11 +41,26 @@ ATTEMPT_ID = "c0ffee" + "0" * 26
 
 def spec(storage: Storage, rank: int = 0, world: int = 1, name: str = "run") -> RankSpec:
     return RankSpec(
-        train_loop="unused:fn", config={}, rank=rank, world_size=world, local_rank=rank,
-        local_world_size=world, node_rank=0, name=name, attempt=0, attempt_id=ATTEMPT_ID,
-        master_addr="127.0.0.1", master_port=0, backend="gloo", use_gpu=False, storage=storage,
-        checkpoint_dir=None, start_report_index=0, topic="unused",
-        collective_timeout_s=1800.0, agreement_interval_s=0.0,
+        train_loop="unused:fn",
+        config={},
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        node_rank=0,
+        name=name,
+        attempt=0,
+        attempt_id=ATTEMPT_ID,
+        master_addr="127.0.0.1",
+        master_port=0,
+        backend="gloo",
+        use_gpu=False,
+        storage=storage,
+        checkpoint_dir=None,
+        start_report_index=0,
+        topic="unused",
+        collective_timeout_s=1800.0,
+        agreement_interval_s=0.0,
     )
 
 
@@ -80,8 +95,12 @@ def staged_dirs(root: str) -> list[str]:
     """Snapshot directories under a staging root (each session's directory holds its own)."""
     if not os.path.isdir(root):
         return []
-    return [os.path.join(own, s) for own in Path(root).iterdir() if own.is_dir()
-            for s in os.listdir(own)]
+    return [
+        os.path.join(own, s)
+        for own in Path(root).iterdir()
+        if own.is_dir()
+        for s in os.listdir(own)
+    ]
 
 
 # -- Storage.upload_dir --------------------------------------------------------------------------
@@ -136,8 +155,13 @@ def test_async_report_returns_before_the_upload_and_its_message_follows_it(stora
     session.finish()  # waits for the pending upload
     (msg,) = msgs
     dir_name = checkpoint_dir_name(1, 0, ATTEMPT_ID)
-    assert msg.wire() == {"rank": 0, "index": 1, "metrics": {"loss": 0.5}, "dir_name": dir_name,
-                          "files": {rel: digest(data) for rel, data in files.items()}}
+    assert msg.wire() == {
+        "rank": 0,
+        "index": 1,
+        "metrics": {"loss": 0.5},
+        "dir_name": dir_name,
+        "files": {rel: digest(data) for rel, data in files.items()},
+    }
     for rel, data in files.items():
         assert st.read_bytes(f"run/{dir_name}/{rel}") == data
     assert staged_dirs(staging) == []  # the snapshot went once it was uploaded
@@ -149,8 +173,9 @@ def test_async_uploads_are_bounded_and_sent_in_order(tmp_path):
     st = GatedStorage(str(tmp_path / "runs"))
     msgs: list = []
     session = Session(spec(st), msgs.append)
-    session._uploads = Uploads(st, msgs.append, max_in_flight=2,
-                               staging_root=str(tmp_path / "staging"))
+    session._uploads = Uploads(
+        st, msgs.append, max_in_flight=2, staging_root=str(tmp_path / "staging")
+    )
 
     def report_async(i: int) -> None:
         local = write_checkpoint(tmp_path, {"w.pt": b"w%d" % i})
@@ -254,8 +279,9 @@ def test_a_killed_process_leaves_a_snapshot_that_the_next_session_removes(tmp_pa
     alive = Uploads(Storage(str(tmp_path / "runs")), print, staging_root=root)
     alive._snapshot(src, 1)  # a live session's snapshot, which no sweep may touch
     code = f"from tests.test_report_path import _snapshot_then_die as f; f({root!r}, {src!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO)
+    )
     assert proc.returncode == -signal.SIGKILL
     assert len(staged_dirs(root)) == 2  # the dead process's snapshot is still there
 
@@ -318,8 +344,15 @@ def _stage_then_die() -> None:  # in a child process
 
 
 def test_a_killed_process_staging_dir_is_removed_by_the_next_process_that_stages():
-    run = lambda code: subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,  # noqa: E731
-                                      capture_output=True, env=dict(os.environ, PYTHONPATH=REPO))
+    def run(code):
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            text=True,
+            capture_output=True,
+            env=dict(os.environ, PYTHONPATH=REPO),
+        )
+
     proc = run("from tests.test_report_path import _stage_then_die as f; f()")
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = Path(proc.stdout.strip())
@@ -373,8 +406,10 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
         elif script == "threads":
             session.report({"k": 1})
             session.finish()
-            seen["threads"] = [Path(f"/proc/self/task/{t}/comm").read_text().strip()
-                               for t in os.listdir("/proc/self/task")]
+            seen["threads"] = [
+                Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                for t in os.listdir("/proc/self/task")
+            ]
         else:  # "unequal": rank 1 reports once more than rank 0
             for k in range(1, 4 + rank):
                 session.report({"k": k})
@@ -476,13 +511,21 @@ def async_loop(config: dict) -> None:
         fault = fires(config, rank, step)
         if fault is not None:  # each fault waits for the previous checkpoint's commit
             where = SimpleNamespace(path=config["storage"], options=config["options"])
-            wait_for(lambda: (load_state(where, config["name"]) or SimpleNamespace(report_index=0))
-                     .report_index >= step - every, 60, "the previous checkpoint's commit")
+            wait_for(
+                lambda: (
+                    (
+                        load_state(where, config["name"]) or SimpleNamespace(report_index=0)
+                    ).report_index
+                    >= step - every
+                ),
+                60,
+                "the previous checkpoint's commit",
+            )
         if step % every and step != steps:
             ft_train.report(metrics)
             continue
         if fault == "block_upload":
-            from ft_train.session import _current
+            from ft_train.worker.session import _current
 
             dir_name = checkpoint_dir_name(step, ctx.get_attempt(), _current().spec.attempt_id)
             in_the_way = Path(config["storage"], config["name"], dir_name, f"rank{rank}.json")
@@ -491,8 +534,11 @@ def async_loop(config: dict) -> None:
         Path(d, f"rank{rank}.json").write_text(json.dumps({"step": step}))
         if rank == 0:
             Path(d, "big.bin").write_bytes(step_bytes(step, config["big"]))
-        ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d),
-                        checkpoint_upload_mode="async")
+        ft_train.report(
+            metrics,
+            checkpoint=ft_train.Checkpoint.from_directory(d),
+            checkpoint_upload_mode="async",
+        )
         shutil.rmtree(d)  # the contract allows it at once
         if fault == "kill_after_report":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -516,14 +562,23 @@ def fires(config: dict, rank: int, step: int):
 def run_async(storage, name, faults, steps=12, every=3, big=16 * 2**20, max_failures=1):
     from flows.train import train
 
-    config = {"steps": steps, "every": every, "big": big, "faults": faults,
-              "storage": storage.path, "options": storage.options, "name": name}
+    config = {
+        "steps": steps,
+        "every": every,
+        "big": big,
+        "faults": faults,
+        "storage": storage.path,
+        "options": storage.options,
+        "name": name,
+    }
     return train(
         train_loop="tests.test_report_path:async_loop",
         train_loop_config=config,
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(
-            name=name, storage_path=storage.path, storage_options=storage.options,
+            name=name,
+            storage_path=storage.path,
+            storage_options=storage.options,
             failure_config=ft_train.FailureConfig(max_failures=max_failures),
         ),
     )
@@ -539,8 +594,9 @@ def assert_committed_and_nothing_else(storage, name, state) -> None:
         ckpt = Checkpoint(st.uri(f"{name}/{c.dir_name}"), storage.options)
         with tempfile.TemporaryDirectory() as d:
             ckpt.download_verified(d)  # raises on a missing or different file
-            assert sorted(os.listdir(d)) == sorted(["rank0.json", "rank1.json", "big.bin",
-                                                    MANIFEST])
+            assert sorted(os.listdir(d)) == sorted(
+                ["rank0.json", "rank1.json", "big.bin", MANIFEST]
+            )
 
 
 @pytest.mark.usefixtures("prefect_api")

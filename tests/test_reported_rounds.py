@@ -1,5 +1,5 @@
 """The guarantee: once report() has returned on every rank for round k, round k's checkpoint is
-committed even if a rank dies the next instant (`ft_train.journal`); and each failure is charged
+committed even if a rank dies the next instant (`ft_train.worker.journal`); and each failure is charged
 to what happened, at any step speed.
 
 The loop (`tests.loops.fast_checkpoints`) takes a few ms a step, so a rank's last reports are
@@ -45,7 +45,7 @@ def train_fast(storage, name, config, max_failures) -> ft_train.TrainResult:
 
 def no_journal_left(storage, name) -> bool:
     """The ranks' journals of a finished run are gone from the node."""
-    from ft_train.journal import journal_root, run_key
+    from ft_train.worker.journal import journal_root, run_key
 
     return not os.path.exists(os.path.join(journal_root(), run_key(storage.uri(name))))
 
@@ -75,8 +75,13 @@ def test_a_round_every_rank_reported_survives_the_death_of_a_rank(
         {"rank": 1, "step": step, "kind": kind, "marker": str(tmp_path / f"fault-{step}")}
         for step, kind in SCHEDULE
     ]
-    config = {"steps": STEPS, "every": EVERY, "sharded": who == "sharded", "mode": mode,
-              "faults": faults}
+    config = {
+        "steps": STEPS,
+        "every": EVERY,
+        "sharded": who == "sharded",
+        "mode": mode,
+        "faults": faults,
+    }
     name = f"rounds-{saving}-{storage.kind}"
     result = train_fast(storage, name, config, max_failures=len(SCHEDULE))
 
@@ -122,7 +127,8 @@ def test_chaos_at_a_few_ms_a_step_finishes_bit_exact_with_every_fault_recorded(
         train_loop_config={"steps": STEPS, "every": EVERY, "faults": faults},
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=run_config(
-            storage, name,
+            storage,
+            name,
             failure_config=ft_train.FailureConfig(max_failures=-1, hang_timeout_s=HANG_TIMEOUT_S),
         ),
     )

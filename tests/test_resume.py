@@ -1,5 +1,5 @@
 """`RunConfig.resume` ("auto", "never", "must") and the config a run is resumed with
-(`ft_train.resume`): on a local path and on S3, through `prepare_run` (what a flow run does
+(`ft_train.driver.resume`): on a local path and on S3, through `prepare_run` (what a flow run does
 first). Through the flow, with its ranks: `test_worker_failures`' rerun of a failed run."""
 
 import pytest
@@ -7,7 +7,7 @@ import pytest
 import ft_train
 from ft_train import driver
 from ft_train.errors import ConfigError
-from ft_train.run_state import STATE_FILE, RunStore
+from ft_train.storage.run_state import STATE_FILE, RunStore
 from tests.conftest import on_storage
 from tests.helpers import fresh, load_state
 
@@ -20,13 +20,20 @@ def other_train_loop(config):
     """Another one."""
 
 
-def prepare(target, name, resume="auto", config=None, workers=1, keep=None, loop="noop_train_loop",
-            log=None) -> driver.RunPlan:
+def prepare(
+    target, name, resume="auto", config=None, workers=1, keep=None, loop="noop_train_loop", log=None
+) -> driver.RunPlan:
     return driver.prepare_run(
-        f"{__name__}:{loop}", config or {}, ft_train.ScalingConfig(num_workers=workers),
-        ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options,
-                           checkpoint_config=ft_train.CheckpointConfig(num_to_keep=keep),
-                           resume=resume),
+        f"{__name__}:{loop}",
+        config or {},
+        ft_train.ScalingConfig(num_workers=workers),
+        ft_train.RunConfig(
+            name=name,
+            storage_path=target.path,
+            storage_options=target.options,
+            checkpoint_config=ft_train.CheckpointConfig(num_to_keep=keep),
+            resume=resume,
+        ),
         log=(lambda msg: None) if log is None else log.append,
     )
 
@@ -46,7 +53,9 @@ def started(target, name, **kw) -> None:
 def test_never_refuses_a_run_that_exists_and_writes_nothing(storage):
     started(storage, "taken")
     before = files(storage, "taken")
-    with pytest.raises(ConfigError, match="run_config.resume='never': run 'taken' already exists") as e:
+    with pytest.raises(
+        ConfigError, match="run_config.resume='never': run 'taken' already exists"
+    ) as e:
         prepare(storage, "taken", resume="never")
     assert "use another run_config.name" in str(e.value)  # the fix
     assert files(storage, "taken") == before  # not even the lease was touched
@@ -56,7 +65,9 @@ def test_never_refuses_a_run_that_exists_and_writes_nothing(storage):
 
 
 def test_must_refuses_a_run_that_does_not_exist_and_creates_nothing(storage):
-    with pytest.raises(ConfigError, match="resume='must': there is no run 'typo' at .* to resume") as e:
+    with pytest.raises(
+        ConfigError, match="resume='must': there is no run 'typo' at .* to resume"
+    ) as e:
         prepare(storage, "typo", resume="must")
     assert "check run_config.name and run_config.storage_path" in str(e.value)
     assert files(storage, "typo") == {}  # no run directory, no lease left behind
@@ -72,10 +83,18 @@ def test_must_refuses_a_changed_training_config_naming_each_change(storage):
     assert 'train_loop_config.faults: [{"rank": 1, "step": 7}] -> (removed)' in message
     assert "train_loop_config.epochs: (absent) -> 3" in message
     assert "resume='auto' to resume with the new ones" in message  # the fix
-    with pytest.raises(ConfigError, match=r'train_loop: "tests.test_resume:noop_train_loop" -> '
-                                          r'"tests.test_resume:other_train_loop"'):
-        prepare(storage, "run", resume="must", config={"lr": 0.1, "faults": [{"rank": 1, "step": 7}]},
-                loop="other_train_loop")
+    with pytest.raises(
+        ConfigError,
+        match=r'train_loop: "tests.test_resume:noop_train_loop" -> '
+        r'"tests.test_resume:other_train_loop"',
+    ):
+        prepare(
+            storage,
+            "run",
+            resume="must",
+            config={"lr": 0.1, "faults": [{"rank": 1, "step": 7}]},
+            loop="other_train_loop",
+        )
     assert files(storage, "run") == before
 
 
@@ -98,7 +117,9 @@ def test_auto_resumes_a_changed_config_says_what_changed_and_records_it(storage)
     started(storage, "run", config={"lr": 0.1})
     log = []
     prepare(storage, "run", config={"lr": 0.01}, log=log).release()
-    assert "warning: run 'run' resumes with a changed config: train_loop_config.lr: 0.1 -> 0.01" in log
+    assert (
+        "warning: run 'run' resumes with a changed config: train_loop_config.lr: 0.1 -> 0.01" in log
+    )
     assert load_state(storage, "run").config["train_loop_config"] == {"lr": 0.01}
     # the config it last trained with is the new one: `must` now resumes that one alone
     prepare(storage, "run", resume="must", config={"lr": 0.01}).release()
@@ -113,7 +134,9 @@ def test_a_run_stored_without_its_config_is_compared_by_its_fingerprint(storage)
     store = RunStore(fresh(storage), "old")
     state = store.load()
     state.config = None
-    fresh(storage).write_atomic(f"old/{STATE_FILE}", state.model_dump_json(exclude={"config"}).encode())
+    fresh(storage).write_atomic(
+        f"old/{STATE_FILE}", state.model_dump_json(exclude={"config"}).encode()
+    )
     with pytest.raises(ConfigError, match="stored by an ft-train that recorded no more"):
         prepare(storage, "old", resume="must", config={"lr": 0.2})
     plan = prepare(storage, "old", resume="must", config={"lr": 0.1})  # the same fingerprint

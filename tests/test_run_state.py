@@ -11,11 +11,12 @@ import os
 import pytest
 
 import ft_train
-from ft_train.checkpoint import MANIFEST
-from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.config import CheckpointConfig
 from ft_train.errors import StorageError
-from ft_train.run_state import (
+from ft_train.storage.checkpoint import MANIFEST
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train.storage.fs import Storage, local_files
+from ft_train.storage.run_state import (
     INDEX_DIR,
     SCHEMA_VERSION,
     STATE_FILE,
@@ -25,7 +26,6 @@ from ft_train.run_state import (
     RunState,
     RunStore,
 )
-from ft_train.storage import Storage, local_files
 from tests.helpers import fresh
 
 ATTEMPT_ID = "5e" * 16
@@ -40,8 +40,9 @@ def read_tree(root: str) -> dict[str, bytes]:
     return out
 
 
-def commit(storage: Storage, state: RunState, cfg: CheckpointConfig, index: int, metrics: dict,
-           tmp_path) -> str:
+def commit(
+    storage: Storage, state: RunState, cfg: CheckpointConfig, index: int, metrics: dict, tmp_path
+) -> str:
     """Upload a checkpoint's files as a rank would, and commit it as the driver does."""
     dir_name = checkpoint_dir_name(index, 0, ATTEMPT_ID)
     local = tmp_path / f"ckpt-{state.name}-{index}"
@@ -111,10 +112,15 @@ def test_a_schema_1_document_with_every_checkpoint_in_it_loads_and_goes_on(stora
     reads as a head with no sealed chunks; its next commits seal, and nothing is lost."""
     name, n = "schema-1", 10
     storage_ = fresh(storage)
-    entries = [CheckpointEntry(dir_name=checkpoint_dir_name(i, 0, ATTEMPT_ID), report_index=i,
-                               metrics={"step": i}) for i in range(1, n + 1)]
-    doc = RunState(name=name, checkpoints=entries, latest=entries[-1].dir_name,
-                   report_index=n).model_dump(mode="json")
+    entries = [
+        CheckpointEntry(
+            dir_name=checkpoint_dir_name(i, 0, ATTEMPT_ID), report_index=i, metrics={"step": i}
+        )
+        for i in range(1, n + 1)
+    ]
+    doc = RunState(
+        name=name, checkpoints=entries, latest=entries[-1].dir_name, report_index=n
+    ).model_dump(mode="json")
     del doc["sealed_chunks"]
     doc["schema_version"] = 1
     storage_.write_atomic(f"{name}/{STATE_FILE}", json.dumps(doc).encode())
@@ -124,8 +130,9 @@ def test_a_schema_1_document_with_every_checkpoint_in_it_loads_and_goes_on(stora
     assert state.latest_entry().report_index == n
     assert RunStore(fresh(storage), name).all_checkpoints(state) == entries
 
-    manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
-                                index_chunk=4)
+    manager = CheckpointManager(
+        storage_, RunStore(storage_, name), CheckpointConfig(), index_chunk=4
+    )
     dir_name = checkpoint_dir_name(n + 1, 1, ATTEMPT_ID)
     manager.commit(state, dir_name, n + 1, {"step": n + 1}, {}, attempt=1)
     saved = RunStore(fresh(storage), name).load()
@@ -153,17 +160,21 @@ def test_a_missing_sealed_chunk_gives_a_clear_storage_error(storage):
 
 def test_result_from_path_of_a_finished_run(storage, tmp_path):
     name = "finished-run"
-    cfg = CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="loss",
-                           checkpoint_score_order="min")
+    cfg = CheckpointConfig(
+        num_to_keep=3, checkpoint_score_attribute="loss", checkpoint_score_order="min"
+    )
     storage_ = fresh(storage)
     state = RunState(name=name)
-    names = [commit(storage_, state, cfg, i, {"loss": loss, "step": i}, tmp_path)
-             for i, loss in enumerate([0.5, 0.2, 0.9, 0.4], start=1)]
+    names = [
+        commit(storage_, state, cfg, i, {"loss": loss, "step": i}, tmp_path)
+        for i, loss in enumerate([0.5, 0.2, 0.9, 0.4], start=1)
+    ]
     state.status, state.final_metrics = "finished", {"loss": 0.4, "step": 4, "epoch": 2}
     RunStore(storage_, name).save(state)
 
-    result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options,
-                                            checkpoint_config=cfg)
+    result = ft_train.TrainResult.from_path(
+        storage.path, name, storage_options=storage.options, checkpoint_config=cfg
+    )
 
     assert result.metrics == {"loss": 0.4, "step": 4, "epoch": 2}
     assert result.status == "finished" and result.error is None
@@ -173,7 +184,9 @@ def test_result_from_path_of_a_finished_run(storage, tmp_path):
     assert read_tree(restored) == {"model.pt": b"weights at 4"}
     # The 3 best (0.9 was dropped), ascending by score as in Ray: the best is last.
     assert [(c.path.rsplit("/", 1)[1], m["loss"]) for c, m in result.best_checkpoints] == [
-        (names[0], 0.5), (names[3], 0.4), (names[1], 0.2)
+        (names[0], 0.5),
+        (names[3], 0.4),
+        (names[1], 0.2),
     ]
     for ckpt, metrics in result.best_checkpoints:
         assert ckpt.manifest()["metrics"] == metrics

@@ -18,18 +18,20 @@ import random
 import shutil
 import tempfile
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from ft_train import TrainResult, driver
-from ft_train.checkpoint import MANIFEST, Checkpoint
-from ft_train.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
+from ft_train import TrainResult
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.controller.rounds import ReportRounds
+from ft_train.driver import prepare
 from ft_train.errors import StorageError
-from ft_train.run_state import (
+from ft_train.storage.checkpoint import MANIFEST, Checkpoint
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
+from ft_train.storage.fs import Storage, local_files
+from ft_train.storage.run_state import (
     INDEX_DIR,
     SCHEMA_VERSION,
     STATE_FILE,
@@ -37,8 +39,7 @@ from ft_train.run_state import (
     RunState,
     RunStore,
 )
-from ft_train.session import RankSpec, Session
-from ft_train.storage import Storage, local_files
+from ft_train.worker.session import RankSpec, Session
 from tests.helpers import fresh
 
 ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings
@@ -110,19 +111,49 @@ def write_tree(root, files: dict[str, bytes]) -> str:
     return str(root)
 
 
-def rank_spec(storage: Storage, name: str, rank: int, world: int, attempt: int, attempt_id: str,
-              start_index: int) -> RankSpec:
+def rank_spec(
+    storage: Storage,
+    name: str,
+    rank: int,
+    world: int,
+    attempt: int,
+    attempt_id: str,
+    start_index: int,
+) -> RankSpec:
     return RankSpec(
-        train_loop=noop_train_loop, config={}, rank=rank, world_size=world, local_rank=rank,
-        local_world_size=world, node_rank=0, name=name, attempt=attempt, attempt_id=attempt_id,
-        master_addr="127.0.0.1", master_port=0, backend="gloo", use_gpu=False, storage=storage,
-        checkpoint_dir=None, start_report_index=start_index, topic="unused",
-        collective_timeout_s=1800.0, agreement_interval_s=0.0,
+        train_loop=noop_train_loop,
+        config={},
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        node_rank=0,
+        name=name,
+        attempt=attempt,
+        attempt_id=attempt_id,
+        master_addr="127.0.0.1",
+        master_port=0,
+        backend="gloo",
+        use_gpu=False,
+        storage=storage,
+        checkpoint_dir=None,
+        start_report_index=start_index,
+        topic="unused",
+        collective_timeout_s=1800.0,
+        agreement_interval_s=0.0,
     )
 
 
-def report_round(storage: Storage, name: str, index: int, files_by_rank: list[dict[str, bytes]],
-                 metrics: dict, attempt: int, attempt_id: str, tmp_path) -> list[dict]:
+def report_round(
+    storage: Storage,
+    name: str,
+    index: int,
+    files_by_rank: list[dict[str, bytes]],
+    metrics: dict,
+    attempt: int,
+    attempt_id: str,
+    tmp_path,
+) -> list[dict]:
     """Every rank's `index`-th report(), each rank attaching its own files; returns the messages."""
     msgs: list[dict] = []
     for rank, files in enumerate(files_by_rank):
@@ -136,8 +167,9 @@ def report_round(storage: Storage, name: str, index: int, files_by_rank: list[di
     return msgs
 
 
-def commit_round(manager: CheckpointManager, state: RunState, msgs: list[dict], index: int,
-                 attempt: int) -> tuple[str, list[str]]:
+def commit_round(
+    manager: CheckpointManager, state: RunState, msgs: list[dict], index: int, attempt: int
+) -> tuple[str, list[str]]:
     rounds = ReportRounds(world_size=len(msgs), last_index=index - 1)
     for m in msgs:
         rounds.add(m)
@@ -147,9 +179,18 @@ def commit_round(manager: CheckpointManager, state: RunState, msgs: list[dict], 
     return rnd.dir_name, dropped
 
 
-def save(storage: Storage, name: str, state: RunState, cfg: CheckpointConfig, index: int,
-         files_by_rank: list[dict[str, bytes]], tmp_path, metrics: Optional[dict] = None,
-         attempt: int = 0, attempt_id: str = ATTEMPT_0) -> tuple[str, list[str]]:
+def save(
+    storage: Storage,
+    name: str,
+    state: RunState,
+    cfg: CheckpointConfig,
+    index: int,
+    files_by_rank: list[dict[str, bytes]],
+    tmp_path,
+    metrics: dict | None = None,
+    attempt: int = 0,
+    attempt_id: str = ATTEMPT_0,
+) -> tuple[str, list[str]]:
     """One checkpoint save: every rank uploads, then the driver commits."""
     metrics = metrics if metrics is not None else {"step": index}
     msgs = report_round(storage, name, index, files_by_rank, metrics, attempt, attempt_id, tmp_path)
@@ -175,7 +216,7 @@ def merged(files_by_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
 # -- what a rerun sees -----------------------------------------------------------------------------
 
 
-def load(target, name: str) -> Optional[RunState]:
+def load(target, name: str) -> RunState | None:
     return RunStore(fresh(target), name).load()
 
 
@@ -295,7 +336,7 @@ def test_crash_at_any_point_of_a_save_leaves_a_restorable_checkpoint(storage, tm
         # The rerun: a fresh storage and run store, one read of the run state.
         after = load(storage, name)
         expected, expected_files = (old, old_files) if k <= commit_at else (new, new_files)
-        assert after.latest == expected, f"crash at call {k} ({ops[k - 1:k]}, torn={torn})"
+        assert after.latest == expected, f"crash at call {k} ({ops[k - 1 : k]}, torn={torn})"
         restored = restore(storage, name, after.latest, tmp_path)
         assert restored == expected_files, f"crash at call {k}"
         assert_references_restorable(storage, name, after, tmp_path)
@@ -304,8 +345,17 @@ def test_crash_at_any_point_of_a_save_leaves_a_restorable_checkpoint(storage, tm
                 restore(storage, name, new, tmp_path)
 
         # The run goes on: the next attempt resumes there and saves, and crash leftovers go.
-        newer, _ = save(fresh(storage), name, after, cfg, after.report_index + 1,
-                        rank_files("retry"), tmp_path, attempt=1, attempt_id=ATTEMPT_1)
+        newer, _ = save(
+            fresh(storage),
+            name,
+            after,
+            cfg,
+            after.report_index + 1,
+            rank_files("retry"),
+            tmp_path,
+            attempt=1,
+            attempt_id=ATTEMPT_1,
+        )
         resumed = load(storage, name)
         assert resumed.latest == newer
         assert restore(storage, name, newer, tmp_path) == merged(rank_files("retry"))
@@ -357,15 +407,17 @@ def test_same_attempt_number_from_another_driver_gets_another_directory():
 @pytest.mark.parametrize("order", ["max", "min"])
 def test_retention_never_deletes_the_latest_even_when_it_scores_worst(storage, tmp_path, order):
     name = f"keep-latest-{order}"
-    cfg = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="acc",
-                           checkpoint_score_order=order)
+    cfg = CheckpointConfig(
+        num_to_keep=1, checkpoint_score_attribute="acc", checkpoint_score_order=order
+    )
     scores = [0.9, 0.5, 0.1] if order == "max" else [0.1, 0.5, 0.9]  # each new one is worse
     storage_ = fresh(storage)
     state = RunState(name=name)
     names = []
     for i, score in enumerate(scores, start=1):
-        dir_name, dropped = save(storage_, name, state, cfg, i, rank_files(f"s{i}"), tmp_path,
-                                 metrics={"acc": score})
+        dir_name, dropped = save(
+            storage_, name, state, cfg, i, rank_files(f"s{i}"), tmp_path, metrics={"acc": score}
+        )
         names.append(dir_name)
         saved = load(storage, name)
         assert saved.latest == dir_name
@@ -391,8 +443,9 @@ def test_retention_deletes_only_after_the_run_state_stops_referencing(storage, t
             refs = {e.dir_name for e in load(storage, name).checkpoints}
             seen.append((path.rsplit("/", 1)[1], refs))
 
-        faulty = FaultyStorage(storage.path, storage.options, crash_at=crash_at,
-                               on_delete=stored_refs_at_delete)
+        faulty = FaultyStorage(
+            storage.path, storage.options, crash_at=crash_at, on_delete=stored_refs_at_delete
+        )
         try:
             save(faulty, name, state, cfg, 3, rank_files("s3"), tmp_path)
             assert seen and seen[0][0] == first and first not in seen[0][1]
@@ -411,8 +464,9 @@ def test_retained_keeps_the_latest_and_the_best(order, num_to_keep):
     """Property check of `retained` over random histories (seeded): the latest is always kept,
     at most num_to_keep others, and nothing dropped outranks a kept non-latest checkpoint."""
     rng = random.Random(f"{order}-{num_to_keep}")
-    cfg = CheckpointConfig(num_to_keep=num_to_keep, checkpoint_score_attribute="score",
-                           checkpoint_score_order=order)
+    cfg = CheckpointConfig(
+        num_to_keep=num_to_keep, checkpoint_score_attribute="score", checkpoint_score_order=order
+    )
 
     def goodness(e: CheckpointEntry) -> float:
         v = e.metrics.get("score")
@@ -423,8 +477,9 @@ def test_retained_keeps_the_latest_and_the_best(order, num_to_keep):
     for _ in range(200):
         entries: list[CheckpointEntry] = []
         for i in range(1, rng.randint(1, 8) + 1):
-            metrics = rng.choice([{"score": rng.choice([0.1, 0.5, 0.9, rng.random()])}, {},
-                                  {"score": "nan"}])
+            metrics = rng.choice(
+                [{"score": rng.choice([0.1, 0.5, 0.9, rng.random()])}, {}, {"score": "nan"}]
+            )
             entries.append(CheckpointEntry(dir_name=f"c{i}", report_index=i, metrics=metrics))
             latest = entries[-1].dir_name
             kept = retained(entries, latest, cfg)
@@ -467,7 +522,7 @@ class _CountingFS:
 class CountingStorage(Storage):
     """A real Storage counting its own calls and its filesystem's."""
 
-    def __init__(self, url, options=None, calls: Optional[Counter] = None):
+    def __init__(self, url, options=None, calls: Counter | None = None):
         super().__init__(url, options)
         self.calls = calls if calls is not None else Counter()
 
@@ -504,8 +559,14 @@ class CountingStorage(Storage):
         return super().list_dir(path)
 
 
-def commit_tiny(storage: Storage, manager: CheckpointManager, state: RunState, index: int,
-                attempt: int = 0, attempt_id: str = ATTEMPT_0) -> str:
+def commit_tiny(
+    storage: Storage,
+    manager: CheckpointManager,
+    state: RunState,
+    index: int,
+    attempt: int = 0,
+    attempt_id: str = ATTEMPT_0,
+) -> str:
     """A checkpoint of one tiny file: the rank's upload, then the driver's commit."""
     dir_name = checkpoint_dir_name(index, attempt, attempt_id)
     storage.write_atomic(f"{state.name}/{dir_name}/w.pt", b"w")
@@ -519,8 +580,9 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
     for name, n in (("few", 3), ("many", 60)):
         state = RunState(name=name)
         # Keep all, in chunks of 8: "many" has 7 sealed chunks and 4 entries in the head.
-        manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
-                                    index_chunk=8)
+        manager = CheckpointManager(
+            storage_, RunStore(storage_, name), CheckpointConfig(), index_chunk=8
+        )
         for i in range(1, n + 1):
             commit_tiny(storage_, manager, state, i)
     assert load(storage, "many").sealed_chunks == 7
@@ -531,10 +593,13 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
         assert RunStore(CountingStorage(storage.path, storage.options, calls), name).load()
         assert calls["read_bytes"] == 1, calls  # the head, and not one chunk
         calls.clear()
-        monkeypatch.setattr(driver, "Storage", lambda url, options=None, c=calls:
-                            CountingStorage(url, options, c))
-        plan = driver.prepare_run(
-            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+        monkeypatch.setattr(
+            prepare, "Storage", lambda url, options=None, c=calls: CountingStorage(url, options, c)
+        )
+        plan = prepare.prepare_run(
+            f"{__name__}:noop_train_loop",
+            {},
+            ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
             log=lambda msg: None,
         )
@@ -566,8 +631,9 @@ def test_keep_all_seals_old_entries_and_every_reader_of_the_full_list_sees_them(
     name, n, chunk = "sealed", 45, 8
     storage_ = fresh(storage)
     state = RunState(name=name)
-    manager = CheckpointManager(storage_, RunStore(storage_, name), CheckpointConfig(),
-                                index_chunk=chunk)
+    manager = CheckpointManager(
+        storage_, RunStore(storage_, name), CheckpointConfig(), index_chunk=chunk
+    )
     names = []
     for i in range(1, n + 1):
         names.append(commit_tiny(storage_, manager, state, i))
@@ -583,10 +649,14 @@ def test_keep_all_seals_old_entries_and_every_reader_of_the_full_list_sees_them(
     result = TrainResult.from_path(storage.path, name, storage_options=storage.options)
     assert [c.path.rsplit("/", 1)[1] for c, _ in result.best_checkpoints] == names
     assert [m["step"] for _, m in result.best_checkpoints] == list(range(1, n + 1))
-    scored = TrainResult.from_path(storage.path, name, storage_options=storage.options,
-                                   checkpoint_config=CheckpointConfig(
-                                       checkpoint_score_attribute="step",
-                                       checkpoint_score_order="min"))
+    scored = TrainResult.from_path(
+        storage.path,
+        name,
+        storage_options=storage.options,
+        checkpoint_config=CheckpointConfig(
+            checkpoint_score_attribute="step", checkpoint_score_order="min"
+        ),
+    )
     assert scored.best_checkpoints[-1][0].path.endswith(names[0])  # sealed, and the best
 
     # A crash leftover next to 45 committed checkpoints, 40 of them only in sealed chunks.
@@ -598,8 +668,9 @@ def test_keep_all_seals_old_entries_and_every_reader_of_the_full_list_sees_them(
 
 
 @pytest.mark.parametrize("crash_at", [2, 3, 4, None])
-def test_crash_between_sealing_a_chunk_and_the_head_leaves_a_consistent_run(storage, tmp_path,
-                                                                           crash_at):
+def test_crash_between_sealing_a_chunk_and_the_head_leaves_a_consistent_run(
+    storage, tmp_path, crash_at
+):
     """The save that overflows the head writes: the rank's file (call 1), the manifest (2), the
     sealed chunk (3), the head (4). A crash at 2, 3 or 4 leaves the previous head, which does not
     count the chunk; the rerun's next commit seals the same entries under the same chunk name."""
@@ -632,14 +703,16 @@ def test_crash_between_sealing_a_chunk_and_the_head_leaves_a_consistent_run(stor
     assert chunk_names(storage, name) == ({"000000.json"} if crash_at in (4, None) else set())
 
     # The rerun: resumes from what storage holds, commits, and collects the crash leftovers.
-    rerun = CheckpointManager(fresh(storage), RunStore(fresh(storage), name), cfg,
-                              index_chunk=chunk)
+    rerun = CheckpointManager(
+        fresh(storage), RunStore(fresh(storage), name), cfg, index_chunk=chunk
+    )
     names.append(commit_tiny(fresh(storage), rerun, after, after.report_index + 1, 1, ATTEMPT_1))
     resumed = load(storage, name)
     assert resumed.sealed_chunks == 1
     assert [e.dir_name for e in RunStore(fresh(storage), name).all_checkpoints(resumed)] == names
-    assert rerun.collect_orphans(resumed) == ([] if crash_at is None else
-                                             [checkpoint_dir_name(chunk + 1, 0, ATTEMPT_0)])
+    assert rerun.collect_orphans(resumed) == (
+        [] if crash_at is None else [checkpoint_dir_name(chunk + 1, 0, ATTEMPT_0)]
+    )
     assert stored_names(storage, name) == set(names) | {STATE_FILE, INDEX_DIR}
 
 
@@ -681,8 +754,9 @@ def test_collect_orphans_removes_uncommitted_directories_only(storage, tmp_path)
     storage_.write_atomic(f"{name}/notes/readme.txt", b"not a checkpoint")  # not ours: left alone
 
     manager = CheckpointManager(storage_, RunStore(storage_, name), cfg)
-    assert sorted(manager.collect_orphans(load(storage, name))) == sorted([uploaded_only,
-                                                                           with_manifest])
+    assert sorted(manager.collect_orphans(load(storage, name))) == sorted(
+        [uploaded_only, with_manifest]
+    )
     assert stored_names(storage, name) == {STATE_FILE, committed, "notes"}
     assert restore(storage, name, committed, tmp_path) == merged(rank_files("c1"))
     assert manager.collect_orphans(load(storage, name)) == []
@@ -695,19 +769,17 @@ def _committed_single(target, name, tmp_path) -> tuple[Storage, str]:
     return storage_, dir_name
 
 
-
-
-@pytest.mark.parametrize(
-    "damage", ["same_size", "other_size", "missing"]
-)
+@pytest.mark.parametrize("damage", ["same_size", "other_size", "missing"])
 def test_damaged_checkpoint_file_fails_verification(storage, tmp_path, damage):
     name = f"damaged-{damage}"
     storage_, dir_name = _committed_single(storage, name, tmp_path)
     original = restore(storage, name, dir_name, tmp_path)["model.pt"]
     target = f"{name}/{dir_name}/model.pt"
     if damage == "same_size":
-        storage_.write_atomic(target, bytes(reversed(original)) if original != original[::-1]
-                              else b"X" * len(original))
+        storage_.write_atomic(
+            target,
+            bytes(reversed(original)) if original != original[::-1] else b"X" * len(original),
+        )
     elif damage == "other_size":
         storage_.write_atomic(target, original + b"tail")
     else:
@@ -737,8 +809,10 @@ def test_torn_run_state_gives_a_clear_storage_error(storage, tmp_path):
         RunStore(fresh(storage), name).load()
     assert STATE_FILE in str(err.value) and "run_config.name" in str(err.value)
     with pytest.raises(StorageError, match="not valid JSON"):  # the driver refuses too
-        driver.prepare_run(
-            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+        prepare.prepare_run(
+            f"{__name__}:noop_train_loop",
+            {},
+            ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
             log=lambda msg: None,
         )
@@ -757,8 +831,10 @@ def test_run_state_from_a_newer_schema_is_refused_and_left_untouched(storage, tm
     with pytest.raises(StorageError, match="upgrade ft-train"):
         RunStore(fresh(storage), name).load()
     with pytest.raises(StorageError, match=f"schema_version {SCHEMA_VERSION + 1}"):
-        driver.prepare_run(
-            f"{__name__}:noop_train_loop", {}, ScalingConfig(),
+        prepare.prepare_run(
+            f"{__name__}:noop_train_loop",
+            {},
+            ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
             log=lambda msg: None,
         )

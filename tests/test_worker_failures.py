@@ -6,16 +6,27 @@ import os
 import pytest
 
 import ft_train
-from ft_train.checkpoint import Checkpoint
-from ft_train.run_state import RunStore
-from ft_train.storage import Storage
+from ft_train.storage.checkpoint import Checkpoint
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunStore
 from tests.conftest import StorageTarget, on_storage
-from tests.helpers import DEMO, demo_config, events_of, fault, fresh, load_state, train_demo, wait_for
+from tests.helpers import (
+    DEMO,
+    demo_config,
+    events_of,
+    fault,
+    fresh,
+    load_state,
+    train_demo,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
-@pytest.mark.parametrize("storage, kind", [("local", "raise"), ("s3", "kill")], indirect=["storage"])
+@pytest.mark.parametrize(
+    "storage, kind", [("local", "raise"), ("s3", "kill")], indirect=["storage"]
+)
 def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     # checkpoints every 5 steps; rank 1 fails at step 7, after the checkpoint of step 5.
     # The kill variant also runs DataLoader(num_workers=2) inside each rank, before and after
@@ -77,16 +88,21 @@ def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, 
     # refused before any worker starts, the run left as it was.
     from flows.train import train
 
-    must = ft_train.RunConfig(name="budget-0", storage_path=storage.path,
-                              storage_options=storage.options, resume="must")
+    must = ft_train.RunConfig(
+        name="budget-0", storage_path=storage.path, storage_options=storage.options, resume="must"
+    )
     with pytest.raises(ft_train.ConfigError, match="train_loop_config.epochs: 1 -> 2"):
         train(train_loop=DEMO, train_loop_config={**config, "epochs": 2}, run_config=must)
     assert load_state(storage, "budget-0") == state
 
     # With the config it trained with: the run resumes from its latest checkpoint with a fresh
     # budget.
-    result = train(train_loop=DEMO, train_loop_config=config, run_config=must,
-                   scaling_config=ft_train.ScalingConfig(num_workers=2))
+    result = train(
+        train_loop=DEMO,
+        train_loop_config=config,
+        run_config=must,
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+    )
     assert result.status == "finished"
     assert result.metrics["resumed_from"] == 5
     assert load_state(storage, "budget-0").driver_runs == 2  # the refused call was no driver
@@ -122,7 +138,9 @@ def test_errors_no_retry_can_fix_fail_at_once(storage):
         train(
             train_loop="no_such_module:fn",
             run_config=ft_train.RunConfig(
-                name="bad-import", storage_path=storage.path, storage_options=storage.options,
+                name="bad-import",
+                storage_path=storage.path,
+                storage_options=storage.options,
                 failure_config=ft_train.FailureConfig(max_failures=3),
             ),
         )
@@ -134,7 +152,9 @@ def test_errors_no_retry_can_fix_fail_at_once(storage):
             train_loop="tests.loops:unequal_reports",
             scaling_config=ft_train.ScalingConfig(num_workers=2),
             run_config=ft_train.RunConfig(
-                name="unequal", storage_path=storage.path, storage_options=storage.options,
+                name="unequal",
+                storage_path=storage.path,
+                storage_options=storage.options,
                 failure_config=ft_train.FailureConfig(max_failures=3),
             ),
         )
@@ -154,7 +174,8 @@ def test_a_group_that_keeps_failing_to_start_ends_the_run_even_with_unlimited_fa
             train_loop="tests.loops:report_many",
             scaling_config=ft_train.ScalingConfig(num_workers=2),
             run_config=ft_train.RunConfig(
-                name="never-starts", storage_path=str(tmp_path),
+                name="never-starts",
+                storage_path=str(tmp_path),
                 failure_config=ft_train.FailureConfig(max_failures=-1),
             ),
         )
@@ -202,7 +223,9 @@ def recovered_from_hang(storage, name, hang, timeout_s):
         train_loop_config=demo_config([hang]),
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(
-            name=name, storage_path=storage.path, storage_options=storage.options,
+            name=name,
+            storage_path=storage.path,
+            storage_options=storage.options,
             failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout_s),
         ),
     )
@@ -234,7 +257,9 @@ def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, 
 
 
 @on_storage("s3")
-def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_one_before(storage, tmp_path):
+def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_one_before(
+    storage, tmp_path
+):
     """A file of the latest checkpoint is overwritten on storage after its commit: a restart
     from it fails its checksum. The run drops it, restores from the checkpoint before, and does
     not charge max_failures (0 here) for it."""
@@ -244,7 +269,9 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_on
     state = load_state(storage, "damaged")
     damaged = state.latest
     assert [c.report_index for c in state.checkpoints] == [3, 6], state.checkpoints
-    files = Checkpoint(fresh(storage).uri(f"damaged/{damaged}"), storage.options).manifest()["files"]
+    files = Checkpoint(fresh(storage).uri(f"damaged/{damaged}"), storage.options).manifest()[
+        "files"
+    ]
     fresh(storage).write_atomic(f"damaged/{damaged}/{sorted(files)[0]}", b"not what was saved")
 
     result = train_demo(storage, "damaged", config, max_failures=0)
@@ -257,7 +284,10 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_on
     assert state.attempts[-1].restored_from != damaged
     kept = [c.dir_name for c in RunStore(fresh(storage), "damaged").all_checkpoints(state)]
     assert damaged not in kept and damaged not in fresh(storage).list_dir("damaged")  # swept
-    wait_for(lambda: any(e.event == "ft-train.run.finished" for e in events_of("damaged")), 30,
-             "the run's events to be stored")
+    wait_for(
+        lambda: any(e.event == "ft-train.run.finished" for e in events_of("damaged")),
+        30,
+        "the run's events to be stored",
+    )
     committed = [e.payload["step"] for e in events_of("damaged") if e.event.endswith("committed")]
     assert committed == [3, 6, 6, 9, 12], committed  # step 3 again, as latest, is no news

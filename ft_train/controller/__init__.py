@@ -6,6 +6,17 @@ from .ports import Cluster, Group, GroupPlan
 from .state import Draining, Errored, Finished, Preempting, Resizing, Restarting, Running
 
 __all__ = [
-    "Callback", "Cluster", "Controller", "Draining", "Errored", "Finished", "Group", "GroupPlan",
-    "Preempting", "Resizing", "Restarting", "Running", "Segment",
+    "Callback",
+    "Cluster",
+    "Controller",
+    "Draining",
+    "Errored",
+    "Finished",
+    "Group",
+    "GroupPlan",
+    "Preempting",
+    "Resizing",
+    "Restarting",
+    "Running",
+    "Segment",
 ]

@@ -5,9 +5,10 @@ depends on who watches it."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from ..run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
+from ..storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
 
 logger = logging.getLogger("ft_train")
 
@@ -19,7 +20,7 @@ class Callback:
     def on_attempt_started(self, attempt: AttemptRecord) -> None:
         pass
 
-    def on_checkpoint_committed(self, entry: Optional[CheckpointEntry], state: RunState) -> None:
+    def on_checkpoint_committed(self, entry: CheckpointEntry | None, state: RunState) -> None:
         pass
 
     def on_failure(self, failure: FailureRecord) -> None:
@@ -34,5 +35,10 @@ def notify(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
         try:
             getattr(callback, hook)(*args)
         except Exception as e:  # watching the run must not change it
-            logger.warning("ft-train: %s.%s failed (%s: %s)", type(callback).__name__, hook,
-                           type(e).__name__, e)
+            logger.warning(
+                "ft-train: %s.%s failed (%s: %s)",
+                type(callback).__name__,
+                hook,
+                type(e).__name__,
+                e,
+            )

@@ -14,29 +14,42 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Literal
 
 from .. import knobs
-from ..checkpoint_manager import CheckpointManager
 from ..config import FailureConfig
 from ..errors import (
-    FtTrainError, RunLockedError, SessionError, TrainingFailedError, WorkerGroupError,
+    FtTrainError,
+    RunLockedError,
+    SessionError,
+    TrainingFailedError,
+    WorkerGroupError,
 )
 from ..policy import failure as failure_policy
-from ..protocol import GroupEvent, LeaseLost, Reported, Report
-from ..run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
-from ..warm import TORCH
+from ..protocol import GroupEvent, LeaseLost, Report, Reported
+from ..storage.checkpoint_manager import CheckpointManager
+from ..storage.run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
+from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
 from .ports import Cluster, GroupPlan
 from .rounds import ReportRounds, Round
 from .state import (
-    Attempt, Draining, Errored, Finished, GroupState, Preempting, Resizing, Restarting, Running, State,
+    Attempt,
+    Draining,
+    Errored,
+    Finished,
+    GroupState,
+    Preempting,
+    Resizing,
+    Restarting,
+    Running,
+    State,
 )
 
 logger = logging.getLogger("ft_train")
-
 
 
 @dataclass
@@ -44,7 +57,7 @@ class Segment:
     kind: Literal["checkpoint", "finished"]
     report_index: int
     metrics: dict[str, Any]
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
 
 
 class Controller:
@@ -63,12 +76,12 @@ class Controller:
         self.store, self.manager, self.failure_config = store, manager, failure_config
         self.log, self.callbacks = log, list(callbacks)
         self.current: State = Restarting()
-        self.events: "queue.Queue[GroupEvent]" = queue.Queue()
+        self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}
         self.dead_workers: set[str] = set()  # killed or lost: never given a rank again
         self.start_failures = 0  # groups in a row that failed before every rank had joined
         self._watching = self._warming = False
-        self._segment: Optional[Segment] = None  # a checkpoint committed by the last step
+        self._segment: Segment | None = None  # a checkpoint committed by the last step
         self._last_progress_log = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
@@ -115,9 +128,13 @@ class Controller:
                 self.state.status, self.state.error = "failed", f"{type(error).__name__}: {error}"
             else:  # KeyboardInterrupt, SystemExit, Prefect's TerminationSignal: not charged
                 self.state.status = "interrupted"
-                interrupt = FailureRecord(kind="driver_interrupt", error=type(error).__name__,
-                                          attempt=self._attempt(), step=self._last_index(),
-                                          charged=False)
+                interrupt = FailureRecord(
+                    kind="driver_interrupt",
+                    error=type(error).__name__,
+                    attempt=self._attempt(),
+                    step=self._last_index(),
+                    charged=False,
+                )
                 self.state.failures.append(interrupt)
                 notify(self.callbacks, "on_failure", interrupt)
             # Crash ordering: the record first, so a driver killed while stopping still leaves it.
@@ -179,10 +196,12 @@ class Controller:
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return s
         if not rnd.files:  # restored, it would be an empty directory: as if from scratch
-            return self.errored(SessionError(
-                f"report() {rnd.index}: the checkpoint holds no files on any rank; save the "
-                "checkpoint's files into it before report(), or report without checkpoint="
-            ))
+            return self.errored(
+                SessionError(
+                    f"report() {rnd.index}: the checkpoint holds no files on any rank; save the "
+                    "checkpoint's files into it before report(), or report without checkpoint="
+                )
+            )
         self._commit(rnd)
         self._segment = Segment("checkpoint", rnd.index, rnd.metrics, rnd.dir_name)
         return s
@@ -224,17 +243,21 @@ class Controller:
         self.state.final_metrics = self.last_metrics
         self.store.save(self.state)
         self.manager.collect_orphans(self.state)
-        self.log(f"training finished after {attempt.rounds.last_index} steps: {_fmt(self.last_metrics)}")
+        self.log(
+            f"training finished after {attempt.rounds.last_index} steps: {_fmt(self.last_metrics)}"
+        )
         return Finished()
 
     def drain(self, s: GroupState) -> State:
         """Every rank returned from its training function: check they reported alike."""
         counts = {r: d["reports"] for r, d in sorted(s.attempt.done.items())}
         if len(set(counts.values())) > 1:
-            return self.errored(SessionError(
-                f"ranks called report() a different number of times ({counts}); every rank must "
-                "call report() the same number of times"
-            ))
+            return self.errored(
+                SessionError(
+                    f"ranks called report() a different number of times ({counts}); every rank must "
+                    "call report() the same number of times"
+                )
+            )
         return Draining(s.attempt, counts[0], time.monotonic() + knobs.REPORT_DRAIN_TIMEOUT_S)
 
     # -- failures -----------------------------------------------------------------------------
@@ -242,7 +265,7 @@ class Controller:
     def stop_group(self, attempt: Attempt, kill_first=(), lost=()) -> set[int]:
         """Stop the group, then commit the newest round that all of its ranks reported, from
         their journals: a rank's last reports may have died with it, but not its journal
-        (`ft_train.journal`). Returns the ranks that had joined the process group.
+        (`ft_train.worker.journal`). Returns the ranks that had joined the process group.
 
         Crash ordering: the commit comes before the failure is recorded, so the next group
         restores from it; a driver killed in between leaves a committed checkpoint."""
@@ -252,7 +275,7 @@ class Controller:
             self._commit(rnd, " (recovered from the ranks' journals)")
         return set(attempt.progress) | {r for r, j in journals.items() if "index" in j}
 
-    def fail(self, s: State, rank: int, kind: str, error: str, step: Optional[int] = None) -> State:
+    def fail(self, s: State, rank: int, kind: str, error: str, step: int | None = None) -> State:
         """Stop the group, record the failure, and go where the failure policy says."""
         seen = now()  # the record's time: when the failure was seen, not when the ranks stopped
         attempt = s.attempt  # type: ignore[union-attr]
@@ -269,8 +292,16 @@ class Controller:
         rounds = attempt.rounds
         if step is None:
             step = rounds.received.get(rank, rounds.last_index)
-        return self.judge(FailureRecord(kind=kind, rank=rank, step=step, error=error,
-                                        attempt=attempt.group.attempt, time=seen))
+        return self.judge(
+            FailureRecord(
+                kind=kind,
+                rank=rank,
+                step=step,
+                error=error,
+                attempt=attempt.group.attempt,
+                time=seen,
+            )
+        )
 
     def judge(self, failure: FailureRecord) -> State:
         """Record `failure` and go where the failure policy says: Restarting, or Errored."""
@@ -281,7 +312,9 @@ class Controller:
             failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is failure_policy.Decision.RAISE:
-            return self.errored(failure_policy.final_error(failure, self.state, cfg, self.start_failures))
+            return self.errored(
+                failure_policy.final_error(failure, self.state, cfg, self.start_failures)
+            )
         self.store.save(self.state)
         return Restarting(failure)
 
@@ -289,7 +322,11 @@ class Controller:
         """The run has failed for good: record it (unless the run is no longer this driver's:
         then only stop the ranks)."""
         if record:
-            text = str(error) if isinstance(error, TrainingFailedError) else f"{type(error).__name__}: {error}"
+            text = (
+                str(error)
+                if isinstance(error, TrainingFailedError)
+                else f"{type(error).__name__}: {error}"
+            )
             self.state.status, self.state.error = "failed", text
             self.store.save(self.state)
         else:
@@ -298,7 +335,11 @@ class Controller:
 
     def _retry_error(self, failure: FailureRecord) -> WorkerGroupError:
         max_failures = self.failure_config.max_failures
-        budget = "unlimited" if max_failures == -1 else f"{self.state.charged_failures} of {max_failures}"
+        budget = (
+            "unlimited"
+            if max_failures == -1
+            else f"{self.state.charged_failures} of {max_failures}"
+        )
         return WorkerGroupError(
             f"rank {failure.rank} failed ({failure.kind}) at step {failure.step}: {failure.error}. "
             f"Restarting from {self.state.latest or 'scratch'} (failure {budget} allowed by "

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from .. import knobs
 from ..errors import RankFailure, RunLockedError, SessionError
 from ..policy.attribution import hung_rank, judge_suspect, laggard, lost_a_peer
 from ..protocol import (
-    GroupEvent, LeaseLost, PreemptNotice, RankEnded, Report, Reported, Started, WorkerLost,
+    GroupEvent,
+    LeaseLost,
+    PreemptNotice,
+    RankEnded,
+    Report,
+    Reported,
+    Started,
+    WorkerLost,
 )
-from ..run_state import FailureRecord
+from ..storage.run_state import FailureRecord
 from .rounds import Round
 from .state import Attempt, GroupState, Preempting, Resizing, Restarting, Running, State, Suspect
 
@@ -24,8 +31,7 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 
-
-def watch(ctl: "Controller", s: GroupState) -> State:
+def watch(ctl: Controller, s: GroupState) -> State:
     """The next complete round, the end of every rank, an event, or a deadline."""
     att = s.attempt
     if (rnd := att.rounds.pop_complete()) is not None:
@@ -41,7 +47,7 @@ def watch(ctl: "Controller", s: GroupState) -> State:
     return _on_event(ctl, s, event)
 
 
-def _on_round(ctl: "Controller", s: GroupState, rnd: Round) -> State:
+def _on_round(ctl: Controller, s: GroupState, rnd: Round) -> State:
     group = s.attempt.group
     if rnd.preempted is not None:
         leaving = {group.addresses[r] for r in rnd.preempted}
@@ -59,7 +65,7 @@ def _on_round(ctl: "Controller", s: GroupState, rnd: Round) -> State:
     return s
 
 
-def _on_event(ctl: "Controller", s: GroupState, event: GroupEvent) -> State:
+def _on_event(ctl: Controller, s: GroupState, event: GroupEvent) -> State:
     if isinstance(event, LeaseLost):
         return ctl.errored(RunLockedError(event.why), record=False)
     att = s.attempt
@@ -84,7 +90,7 @@ def _on_event(ctl: "Controller", s: GroupState, event: GroupEvent) -> State:
     return s
 
 
-def _on_lost(ctl: "Controller", s: GroupState, event: WorkerLost) -> State:
+def _on_lost(ctl: Controller, s: GroupState, event: WorkerLost) -> State:
     if isinstance(s, Preempting) and event.address in s.workers:
         return preempted(ctl, s, None)  # it left before a checkpoint
     if event.expected:
@@ -96,7 +102,7 @@ def _on_lost(ctl: "Controller", s: GroupState, event: WorkerLost) -> State:
     return _lost(ctl, s, event.address)
 
 
-def _lost(ctl: "Controller", s: GroupState, address: str) -> State:
+def _lost(ctl: Controller, s: GroupState, address: str) -> State:
     """The scheduler let a rank's worker go: fail the group."""
     group = s.attempt.group
     kind = group.lost_kind(address)
@@ -104,7 +110,7 @@ def _lost(ctl: "Controller", s: GroupState, address: str) -> State:
     return ctl.fail(s, group.addresses.index(address), kind, f"worker {address}: {what}")
 
 
-def _on_ended(ctl: "Controller", s: GroupState, event: RankEnded) -> State:
+def _on_ended(ctl: Controller, s: GroupState, event: RankEnded) -> State:
     att, rank, exc = s.attempt, event.rank, event.error
     if event.summary is not None:
         att.done[rank] = event.summary
@@ -127,7 +133,7 @@ def _on_ended(ctl: "Controller", s: GroupState, event: RankEnded) -> State:
     return ctl.fail(s, rank, "process_death", f"{type(exc).__name__}: {exc}")
 
 
-def _rank_raised(ctl: "Controller", s: GroupState, rank: int, exc: RankFailure) -> State:
+def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) -> State:
     """Fail the group, unless the rank found the checkpoint it restores from damaged and an
     earlier one is kept: then restart from that one."""
     ctl.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
@@ -136,12 +142,18 @@ def _rank_raised(ctl: "Controller", s: GroupState, rank: int, exc: RankFailure) 
         return ctl.fail(s, rank, "exception", exc.error, step=exc.step)
     earlier = [c for c in state.checkpoints if c.dir_name != state.latest]
     if not earlier:  # nothing to fall back to: a failure like any other
-        return ctl.fail(s, rank, "exception", f"{exc.error}; no earlier checkpoint is kept (raise "
-                        "run_config.checkpoint_config.num_to_keep to keep one)", step=exc.step)
+        return ctl.fail(
+            s,
+            rank,
+            "exception",
+            f"{exc.error}; no earlier checkpoint is kept (raise "
+            "run_config.checkpoint_config.num_to_keep to keep one)",
+            step=exc.step,
+        )
     return _fall_back(ctl, s, rank, exc, earlier)
 
 
-def _fall_back(ctl: "Controller", s: GroupState, rank: int, exc: RankFailure, earlier: list) -> State:
+def _fall_back(ctl: Controller, s: GroupState, rank: int, exc: RankFailure, earlier: list) -> State:
     """The latest checkpoint is damaged (its files do not match its manifest): no restart
     from it can succeed. Drop it from the run, so that the next group restores from the
     checkpoint before it, and record a failure not charged to max_failures (each damaged
@@ -152,20 +164,27 @@ def _fall_back(ctl: "Controller", s: GroupState, rank: int, exc: RankFailure, ea
     ctl.dead_workers |= group.stop(grace_s=ctl.stop_grace_s)
     state.checkpoints = earlier
     state.latest, state.report_index = previous.dir_name, previous.report_index
-    ctl.log(f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
-            f"{previous.dir_name} (step {previous.report_index})")
-    return ctl.judge(FailureRecord(
-        kind="exception", rank=rank, step=exc.step,
-        error=f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
-        f"{previous.dir_name} (step {previous.report_index})",
-        attempt=group.attempt, charged=False,
-    ))
+    ctl.log(
+        f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
+        f"{previous.dir_name} (step {previous.report_index})"
+    )
+    return ctl.judge(
+        FailureRecord(
+            kind="exception",
+            rank=rank,
+            step=exc.step,
+            error=f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
+            f"{previous.dir_name} (step {previous.report_index})",
+            attempt=group.attempt,
+            charged=False,
+        )
+    )
 
 
 # -- deadlines -------------------------------------------------------------------------------
 
 
-def _next_deadline(ctl: "Controller", s: GroupState) -> Optional[float]:
+def _next_deadline(ctl: Controller, s: GroupState) -> float | None:
     """Seconds until the controller must act without an event: a watchdog or a judgement."""
     att = s.attempt
     waits = [_watchdog_remaining(ctl, att)]
@@ -176,7 +195,7 @@ def _next_deadline(ctl: "Controller", s: GroupState) -> Optional[float]:
     return min((w for w in waits if w is not None), default=None)
 
 
-def _on_deadline(ctl: "Controller", s: GroupState) -> State:
+def _on_deadline(ctl: Controller, s: GroupState) -> State:
     att = s.attempt
     if isinstance(s, Preempting) and time.time() >= s.deadline + knobs.NOTICE_SLACK_S:
         return preempted(ctl, s, None)  # the notice ran out
@@ -187,7 +206,7 @@ def _on_deadline(ctl: "Controller", s: GroupState) -> State:
     return s
 
 
-def _judge_suspect(ctl: "Controller", s: GroupState, suspect: Suspect) -> State:
+def _judge_suspect(ctl: Controller, s: GroupState, suspect: Suspect) -> State:
     att, exc = s.attempt, suspect.failure
     ranks = range(len(att.group.addresses))
     gone = None
@@ -209,7 +228,7 @@ def _judge_suspect(ctl: "Controller", s: GroupState, suspect: Suspect) -> State:
     return _rank_raised(ctl, s, suspect.rank, exc)
 
 
-def _watchdog_remaining(ctl: "Controller", att: Attempt) -> Optional[float]:
+def _watchdog_remaining(ctl: Controller, att: Attempt) -> float | None:
     """Seconds until the slowest running rank counts as hung; None without a watchdog."""
     timeout = ctl.failure_config.hang_timeout_s
     waiting = [t for r, t in att.progress.items() if r not in att.done]
@@ -218,7 +237,7 @@ def _watchdog_remaining(ctl: "Controller", att: Attempt) -> Optional[float]:
     return max(0.0, min(waiting) + timeout - time.monotonic())
 
 
-def _hung(ctl: "Controller", s: GroupState) -> State:
+def _hung(ctl: Controller, s: GroupState) -> State:
     """No report from some rank within hang_timeout_s. The hung rank is the one furthest
     behind; the others usually wait for it in a collective (and one that already failed
     waiting for a peer is not the hung one). Every rank of the group is a candidate, also one
@@ -228,14 +247,17 @@ def _hung(ctl: "Controller", s: GroupState) -> State:
     ranks = range(len(att.group.addresses))
     rank = hung_rank(ranks, att.done, waiting, att.rounds.received, att.progress)
     timeout = ctl.failure_config.hang_timeout_s
-    return ctl.fail(s, rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)")
+    return ctl.fail(
+        s, rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)"
+    )
 
 
 # -- preemption and resizing -----------------------------------------------------------------
 
 
-def _noted(ctl: "Controller", s: GroupState, workers: set[str], deadline: float,
-           boundary: bool) -> Preempting:
+def _noted(
+    ctl: Controller, s: GroupState, workers: set[str], deadline: float, boundary: bool
+) -> Preempting:
     if isinstance(s, Preempting):
         s.workers |= workers
         s.deadline = min(s.deadline, deadline)
@@ -245,7 +267,7 @@ def _noted(ctl: "Controller", s: GroupState, workers: set[str], deadline: float,
     return Preempting(s.attempt, set(workers), deadline, boundary)
 
 
-def preempted(ctl: "Controller", s: Preempting, jit: Optional[str]) -> State:
+def preempted(ctl: Controller, s: Preempting, jit: str | None) -> State:
     """Workers are leaving: stop the group, let them go, record a preemption (charged to
     max_preemption_failures only) and restart; the next group starts from the latest
     committed checkpoint, which is the just-in-time one (`jit`) when the loop saved it."""
@@ -258,14 +280,19 @@ def preempted(ctl: "Controller", s: Preempting, jit: Optional[str]) -> State:
     ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
     what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
     ctl.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
-    return ctl.judge(FailureRecord(
-        kind="preemption", rank=min(ranks, default=None), step=step,
-        error=f"worker(s) {sorted(leaving)} told to leave; {what}",
-        attempt=group.attempt, charged=False,
-    ))
+    return ctl.judge(
+        FailureRecord(
+            kind="preemption",
+            rank=min(ranks, default=None),
+            step=step,
+            error=f"worker(s) {sorted(leaving)} told to leave; {what}",
+            attempt=group.attempt,
+            charged=False,
+        )
+    )
 
 
-def _resized(ctl: "Controller", att: Attempt) -> State:
+def _resized(ctl: Controller, att: Attempt) -> State:
     """The ranks left their training function at the driver's request: start a larger group
     from the latest committed checkpoint."""
     att.group.release()

@@ -1,22 +1,23 @@
 """What the controller needs from the cluster, as narrow interfaces: a test drives the
 controller with a fake cluster and fake groups (tests/fake_cluster.py), one transition at a time,
-without Dask; `ft_train.worker_group.DaskCluster` is the real one."""
+without Dask; `ft_train.driver.worker_group.DaskCluster` is the real one."""
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional, Protocol, Union
+from typing import Any, Protocol
 
 from ..protocol import GroupEvent
-from ..storage import Storage
+from ..storage.fs import Storage
 
 
 @dataclass
 class GroupPlan:
     """What every worker group of a run is started with."""
 
-    train_loop: Union[str, Callable]
+    train_loop: str | Callable
     config: dict[str, Any]
     name: str
     storage: Storage
@@ -38,8 +39,13 @@ class Group(Protocol):
     attempt_id: str
     addresses: list[str]  # the workers, in rank order
 
-    def start(self, plan: GroupPlan, checkpoint_dir: Optional[str], start_report_index: int,
-              exclude: set[str]) -> None: ...
+    def start(
+        self,
+        plan: GroupPlan,
+        checkpoint_dir: str | None,
+        start_report_index: int,
+        exclude: set[str],
+    ) -> None: ...
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
         """Stop every rank; the workers killed or lost (not to be used again)."""
@@ -54,12 +60,12 @@ class Group(Protocol):
     def release(self) -> None: ...
 
     def lost_kind(self, address: str) -> str:
-        """"process_death" or "node_loss", for a worker the scheduler let go."""
+        """ "process_death" or "node_loss", for a worker the scheduler let go."""
         ...
 
 
 class Cluster(Protocol):
-    def new_group(self, attempt: int, events: "queue.Queue[GroupEvent]", run_uri: str) -> Group: ...
+    def new_group(self, attempt: int, events: queue.Queue[GroupEvent], run_uri: str) -> Group: ...
 
     def alive(self) -> set[str]:
         """The workers the scheduler lists now."""

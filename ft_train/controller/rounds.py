@@ -8,7 +8,7 @@ has stopped, `recover` finds the newest checkpoint round every rank reached from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ..protocol import FileInfo, Report, UploadIntent, message
 
@@ -17,10 +17,10 @@ from ..protocol import FileInfo, Report, UploadIntent, message
 class Round:
     index: int
     metrics: dict[str, Any]
-    dir_name: Optional[str] = None
+    dir_name: str | None = None
     files: dict[str, FileInfo] = field(default_factory=dict)
-    preempted: Optional[tuple[int, ...]] = None  # the group learned at this round: these leave
-    deadline: Optional[float] = None
+    preempted: tuple[int, ...] | None = None  # the group learned at this round: these leave
+    deadline: float | None = None
 
 
 class ReportRounds:
@@ -35,7 +35,7 @@ class ReportRounds:
         if msg.index > self.last_index:  # else a journal's copy of a round handed out
             self.pending.setdefault(msg.index, {})[msg.rank] = msg
 
-    def pop_complete(self) -> Optional[Round]:
+    def pop_complete(self) -> Round | None:
         """The next round if every rank has reported it, else None."""
         nxt = self.last_index + 1
         msgs = self.pending.get(nxt)
@@ -45,10 +45,10 @@ class ReportRounds:
         self.last_index = nxt
         return _consolidate(nxt, msgs)
 
-    def recover(self, journals: dict[int, dict]) -> Optional[Round]:
+    def recover(self, journals: dict[int, dict]) -> Round | None:
         """Once the group has stopped: the newest checkpoint round that every rank reached,
         with every file of it stored, from what reached the driver and what the ranks'
-        journals hold (`ft_train.journal`); None if there is none newer than the last round
+        journals hold (`ft_train.worker.journal`); None if there is none newer than the last round
         handed out. The rounds before it are passed over: none of them is a newer checkpoint.
 
         A rank whose journal was read reached the highest index it holds, and attached files

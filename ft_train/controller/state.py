@@ -14,10 +14,9 @@ Running, Resizing, Preempting and Draining share the running group's `Attempt`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from ..errors import FtTrainError, RankFailure
-from ..run_state import FailureRecord
+from ..storage.run_state import FailureRecord
 from .ports import Group
 from .rounds import ReportRounds
 
@@ -39,7 +38,7 @@ class Attempt:
     rounds: ReportRounds
     done: dict[int, dict] = field(default_factory=dict)  # rank -> its task's summary
     progress: dict[int, float] = field(default_factory=dict)  # rank -> last heard (monotonic)
-    suspect: Optional[Suspect] = None
+    suspect: Suspect | None = None
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Restarting:
     """No group runs; the next step starts one from the latest committed checkpoint.
     `failure`: what ended the last group (None at the start, and after a resize)."""
 
-    failure: Optional[FailureRecord] = None
+    failure: FailureRecord | None = None
     is_terminal = False
 
 
@@ -99,5 +98,5 @@ class Errored:
     is_terminal = True
 
 
-GroupState = Union[Running, Resizing, Preempting]
-State = Union[Restarting, Running, Resizing, Preempting, Draining, Finished, Errored]
+GroupState = Running | Resizing | Preempting
+State = Restarting | Running | Resizing | Preempting | Draining | Finished | Errored

@@ -5,7 +5,7 @@ bit-exact resume needs: model and optimizer state, the data position (epoch, nex
 global step, and every rank's RNG state (each rank attaches its own file to the same checkpoint).
 
 Config keys (all optional): epochs, batch_size, lr, hidden, dropout, seed, checkpoint_every,
-loader_workers (DataLoader processes per rank), faults (see ft_train.faults). After an elastic
+loader_workers (DataLoader processes per rank), faults (see ft_train.testing.faults). After an elastic
 resize the data position is rescaled to the new number of ranks; resumes at the same size are
 bit-exact.
 """
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ft_train
 import ft_train.torch
-from ft_train.faults import maybe_inject
+from ft_train.testing.faults import maybe_inject
 
 N_TRAIN = 1500  # of 1797 images; the rest is the validation set
 
@@ -68,15 +68,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    epochs = config.get("epochs", 4)
-    seed = config.get("seed", 0)
+    epochs, seed = config.get("epochs", 4), config.get("seed", 0)
     checkpoint_every = config.get("checkpoint_every", 10)
     rank = ft_train.get_context().get_world_rank()
 
     train_set, val_set = datasets()
     loader = make_loader(train_set, config, seed)
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = ft_train.torch.prepare_model(build_model(config.get("hidden", 128), config.get("dropout", 0.1)))
+    net = build_model(config.get("hidden", 128), config.get("dropout", 0.1))
+    model = ft_train.torch.prepare_model(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
     raw_model = getattr(model, "module", model)
     torch.manual_seed(seed + 1000 * (rank + 1))  # each rank's own dropout stream
@@ -99,7 +99,7 @@ def train_loop(config: dict[str, Any]) -> None:
             batch = i + 1
             if batch == len(loader):
                 epoch, batch = epoch + 1, 0
-            metrics = {"step": step, "epoch": epoch, "loss": loss.item(), "resumed_from": resumed_from}
+            metrics = dict(step=step, epoch=epoch, loss=loss.item(), resumed_from=resumed_from)
             done = epoch == epochs
             if done:
                 metrics["val_accuracy"] = accuracy(raw_model, val_set)

@@ -8,8 +8,9 @@ and judges it with `judge_suspect` if none came.
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
-from typing import Container, Iterable, Literal, Optional
+from typing import Literal
 
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out")
 
@@ -23,9 +24,12 @@ def lost_a_peer(error: str) -> bool:
 
 
 def hung_rank(
-    ranks: Iterable[int], done: Container[int], waiting: Optional[int],
-    received: dict[int, int], progress: dict[int, float],
-) -> Optional[int]:
+    ranks: Iterable[int],
+    done: Container[int],
+    waiting: int | None,
+    received: dict[int, int],
+    progress: dict[int, float],
+) -> int | None:
     """The rank to blame when the watchdog fires: of the ranks still running, except `waiting`
     (one that failed waiting for a peer), the one with the fewest reports received, then the
     one heard from least recently; a rank never heard from at all (`received` and `progress`
@@ -36,7 +40,7 @@ def hung_rank(
 
 def laggard(
     ranks: Iterable[int], done: Container[int], rank: int, step: int, received: dict[int, int]
-) -> Optional[int]:
+) -> int | None:
     """When `rank` timed out in a collective at `step`: the rank it waited for, one still
     running and not ahead of it (the furthest behind first), if any."""
     running = [r for r in ranks if r not in done and r != rank]
@@ -49,12 +53,12 @@ class Blame:
     """What a group failure is charged to."""
 
     kind: Kind
-    rank: Optional[int]
+    rank: int | None
     error: str = ""
 
 
 def judge_suspect(
-    rank: int, error: str, preempting: bool, gone: Optional[int], lagging: Optional[int]
+    rank: int, error: str, preempting: bool, gone: int | None, lagging: int | None
 ) -> Blame:
     """A rank that lost a peer, and no word of the cause came within COLLATERAL_WAIT_S:
     workers leaving explain it (a preemption); else a group worker the scheduler no longer

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def enough(available: int, waited_s: float, min_workers: int, max_workers: int,
-           elastic_wait_s: float) -> bool:
+def enough(
+    available: int, waited_s: float, min_workers: int, max_workers: int, elastic_wait_s: float
+) -> bool:
     """May a group start with `available` workers after waiting `waited_s`: all it can use, or
     at least its minimum once `elastic_wait_s` has passed."""
     return available >= max_workers or (available >= min_workers and waited_s >= elastic_wait_s)

@@ -11,14 +11,12 @@ import enum
 from .. import knobs
 from ..config import FailureConfig
 from ..errors import TrainingFailedError
-from ..run_state import FailureRecord, RunState
+from ..storage.run_state import FailureRecord, RunState
 
 
 class Decision(enum.Enum):
     RETRY = "retry"
     RAISE = "raise"
-
-
 
 
 def decide(

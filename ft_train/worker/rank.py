@@ -14,27 +14,28 @@ import logging
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Union
+from typing import Any
 
-from . import knobs
-from . import session as _session
-from .errors import (
+from .. import knobs
+from ..errors import (
     CheckpointDamagedError,
     ConfigError,
     RankFailure,
     SessionError,
     TrainLoopImportError,
 )
+from ..protocol import Message, Report, Started
+from . import session as _session
 from .journal import Journal, run_key
 from .preemption import GroupStop
-from .protocol import Message, Report, Started
 from .session import RankSpec, Session
 
 logger = logging.getLogger("ft_train")
 
 
-def load_train_loop(train_loop: Union[str, Callable]) -> Callable:
+def load_train_loop(train_loop: str | Callable) -> Callable:
     """Resolve 'package.module:function' and check that it can be called as `fn(config)` or
     `fn()`. Raises TrainLoopImportError (never retried): the driver calls this before any rank
     starts, so that no rank fails on what every rank would fail on."""
@@ -87,6 +88,8 @@ def _check_signature(train_loop: Any, fn: Callable) -> None:
             f"is {sig} ({e}); define it as `def train_fn(config):` (or with no parameters), and "
             "give any other parameter a default"
         ) from None
+
+
 def call_train_loop(fn: Callable, config: dict[str, Any]) -> Any:
     try:
         takes_config = len(inspect.signature(fn).parameters) > 0
@@ -110,7 +113,7 @@ class DaskSender:
     own handling (bench/README.md has the figures). The driver learns of metrics up to
     `interval_s` later; a checkpoint's message goes at once, so that its round commits soon.
     What dies queued with a killed rank is not lost: the rank's journal has what a commit needs
-    (`ft_train.journal`). `flush()` hands over what is queued now (a test's gate uses it);
+    (`ft_train.worker.journal`). `flush()` hands over what is queued now (a test's gate uses it);
     `close()` hands over what is left and returns once the event loop has taken it, before the
     rank's task returns."""
 
@@ -119,7 +122,7 @@ class DaskSender:
         from tornado.ioloop import PeriodicCallback
 
         self.worker, self.topic = get_worker(), topic
-        self.queue: "collections.deque[dict]" = collections.deque()
+        self.queue: collections.deque[dict] = collections.deque()
         self._timer = PeriodicCallback(self._flush, interval_s * 1000)
         self.worker.loop.add_callback(self._timer.start)
 
@@ -170,7 +173,7 @@ def _init_process_group(spec: RankSpec) -> None:
 
 
 def _control_group():
-    """ft-train's own gloo group, for report()'s agreement (`ft_train.preemption`), beside the
+    """ft-train's own gloo group, for report()'s agreement (`ft_train.worker.preemption`), beside the
     user's default group: all ranks, in the same order. Where the default group is gloo, the
     control group uses its device. Each gloo device runs a thread that wakes about every 10 ms,
     whether or not anything is sent: a second device would add a second such thread to every

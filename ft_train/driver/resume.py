@@ -20,11 +20,12 @@ that a refusal writes nothing (not even the lease), and again under the lease, w
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from .config import CheckpointConfig, RunConfig, ScalingConfig
-from .errors import ConfigError
-from .run_state import RunState, fingerprint
+from ..config import CheckpointConfig, RunConfig, ScalingConfig
+from ..errors import ConfigError
+from ..storage.run_state import RunState, fingerprint
 
 TRAINING = ("train_loop", "train_loop_config")  # what `must` refuses to see changed
 SHOWN = 60  # characters of a value in a message
@@ -38,7 +39,7 @@ class Wanted(NamedTuple):
 
 
 def wanted(
-    train_loop: Union[str, Callable],
+    train_loop: str | Callable,
     train_loop_config: dict[str, Any],
     scaling: ScalingConfig,
     checkpoints: CheckpointConfig,
@@ -51,7 +52,9 @@ def wanted(
     }
     # As runs have always recorded it: before `RunState.config`, the only record of the config.
     fp = fingerprint(
-        train_loop=train_loop if isinstance(train_loop, str) else getattr(train_loop, "__qualname__", ""),
+        train_loop=train_loop
+        if isinstance(train_loop, str)
+        else getattr(train_loop, "__qualname__", ""),
         config=train_loop_config,
         scaling=scaling.model_dump(),
         checkpoints=checkpoints.model_dump(),
@@ -59,7 +62,7 @@ def wanted(
     return Wanted(doc, fp)
 
 
-def _loop_name(train_loop: Union[str, Callable]) -> str:
+def _loop_name(train_loop: str | Callable) -> str:
     if isinstance(train_loop, str):
         return train_loop
     return f"{getattr(train_loop, '__module__', '?')}:{getattr(train_loop, '__qualname__', '?')}"
@@ -89,7 +92,7 @@ def _show(value: Any) -> str:
 
 def check(
     run_config: RunConfig,
-    state: Optional[RunState],
+    state: RunState | None,
     new: Wanted,
     where: str,
     log: Callable[[str], None],
@@ -129,8 +132,10 @@ def _changed(state: RunState, new: Wanted) -> tuple[list[str], list[str]]:
     """What differs from the config the run last trained with: (the training's, the rest)."""
     if state.config is None:  # stored before per-field records: only the fingerprint tells
         if state.config_fingerprint and state.config_fingerprint != new.fingerprint:
-            return ["train_loop, train_loop_config, scaling_config or checkpoint_config (this "
-                    "run's state was stored by an ft-train that recorded no more than that)"], []
+            return [
+                "train_loop, train_loop_config, scaling_config or checkpoint_config (this "
+                "run's state was stored by an ft-train that recorded no more than that)"
+            ], []
         return [], []
     training, other = [], []
     for key, value in new.doc.items():

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Optional
+from typing import Any
 
+from ..config import CheckpointConfig
 from .checkpoint import MANIFEST
-from .config import CheckpointConfig
+from .fs import FileInfo, Storage
 from .run_state import INDEX_CHUNK, CheckpointEntry, RunState, RunStore, now
-from .storage import FileInfo, Storage
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d{6,})-a\d+-[0-9a-f]+$")  # group 1: the report index
 
@@ -32,7 +32,7 @@ def checkpoint_dir_name(report_index: int, attempt: int, attempt_id: str) -> str
     return f"checkpoint_{report_index:06d}-a{attempt}-{attempt_id[:8]}"
 
 
-def _score(entry: CheckpointEntry, cfg: CheckpointConfig) -> float:
+def score(entry: CheckpointEntry, cfg: CheckpointConfig) -> float:
     value = entry.metrics.get(cfg.checkpoint_score_attribute)
     if not isinstance(value, (int, float)) or math.isnan(value):
         return -math.inf  # missing or NaN ranks worst
@@ -46,7 +46,7 @@ def retained(entries: list[CheckpointEntry], latest: str, cfg: CheckpointConfig)
     if cfg.checkpoint_score_attribute is None:
         ranked = sorted(entries, key=lambda e: e.report_index, reverse=True)
     else:
-        ranked = sorted(entries, key=lambda e: (_score(e, cfg), e.report_index), reverse=True)
+        ranked = sorted(entries, key=lambda e: (score(e, cfg), e.report_index), reverse=True)
     keep = {e.dir_name for e in ranked[: cfg.num_to_keep]} | {latest}
     return [e.dir_name for e in entries if e.dir_name in keep]
 
@@ -131,8 +131,11 @@ class CheckpointManager:
         `read_index` the sealed chunks are read to tell (one read each); without (a driver's
         start, which must stay O(1) reads: invariant 5) it is left for a later full sweep."""
         self.store.fence()  # a driver that lost the run must not delete the new one's uploads
-        found = {m.group(0): int(m.group(1)) for n in self.storage.list_dir(self.store.name)
-                 if (m := CHECKPOINT_DIR.match(n))}
+        found = {
+            m.group(0): int(m.group(1))
+            for n in self.storage.list_dir(self.store.name)
+            if (m := CHECKPOINT_DIR.match(n))
+        }
         referenced = {e.dir_name for e in state.checkpoints}
         if state.sealed_chunks:
             oldest = min((e.report_index for e in state.checkpoints), default=math.inf)
@@ -147,5 +150,5 @@ class CheckpointManager:
             self.storage.delete_dir(f"{self.store.name}/{name}")
         return orphans
 
-    def latest_uri(self, state: RunState) -> Optional[str]:
+    def latest_uri(self, state: RunState) -> str | None:
         return self.storage.uri(f"{self.store.name}/{state.latest}") if state.latest else None

@@ -15,7 +15,6 @@ and waiting for the collective timeout would take up to 30 minutes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -23,107 +22,34 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import dask
 from distributed import Client, KilledWorker
 from distributed.protocol import pickle
 
-from . import journal, knobs, preemption
-from .controller.ports import GroupPlan
-from .errors import WorkerStartupError
-from .journal import run_key
-from .preemption import PreemptionWatcher
-from .policy.elastic import enough, should_grow
-from .protocol import GroupEvent, PreemptNotice, RankEnded, Reported, WorkerLost, message
-from .rank import free_port, run_rank
-from .session import RankSpec
-from .warm import WarmImports
+from .. import knobs
+from ..controller.ports import GroupPlan
+from ..protocol import GroupEvent, PreemptNotice, RankEnded, Reported, WorkerLost, message
+from ..worker import journal, preemption
+from ..worker.journal import run_key
+from ..worker.preemption import PreemptionWatcher
+from ..worker.rank import run_rank
+from ..worker.session import RankSpec
+from ..worker.warm import WarmImports
+from .placement import await_workers, more_workers_available
 
 logger = logging.getLogger("ft_train")
-
-
 
 
 async def _hard_exit() -> None:
     os._exit(1)
 
 
-def _rank_of(workers: dict[str, dict]) -> list[str]:
-    """Worker addresses in rank order: grouped by host, then by worker name."""
-    return sorted(workers, key=lambda a: (workers[a]["host"], str(workers[a].get("name")), a))
-
-
-def _usable(workers: dict[str, dict], use_gpu: bool, exclude: set[str]) -> dict[str, dict]:
-    """Workers a rank may use. With use_gpu, those with a GPU resource, if the cluster marks any."""
-    usable = {a: w for a, w in workers.items() if a not in exclude}
-    gpu = {a: w for a, w in usable.items() if w.get("resources", {}).get("GPU", 0) >= 1}
-    return gpu if use_gpu and gpu else usable
-
-
-def free_ports(client: Client, addrs: list[str]) -> dict[str, int]:
-    """A free port on each of the workers that answer within knobs.ANSWER_TIMEOUT_S. One that does not
-    is frozen (its process stopped, its machine hung) or its event loop is busy (a warm import
-    of torch in a worker that just joined): it is not given a rank now. Each worker is asked
-    on its own, all at once: one call to all of them tells nothing when one is silent, and
-    asking them one by one would wait knobs.ANSWER_TIMEOUT_S for every silent one."""
-
-    def ask(addr: str) -> dict[str, Any]:
-        with contextlib.suppress(TimeoutError):
-            return client.run(free_port, workers=[addr], on_error="return",
-                              callback_timeout=knobs.ANSWER_TIMEOUT_S)
-        return {}
-
-    with ThreadPoolExecutor(max_workers=min(32, len(addrs) or 1)) as pool:
-        answers = {a: p for answer in pool.map(ask, addrs) for a, p in answer.items()}
-    return {a: p for a, p in answers.items() if isinstance(p, int)}
-
-
-def await_workers(client: Client, plan: GroupPlan, exclude: set[str]) -> tuple[list[str], dict[str, int]]:
-    """The workers for a new group, in rank order, and a free port on each (rank 0's is the
-    rendezvous): `max_workers` if they are there within `elastic_wait_s`, else as many as there
-    are once at least `min_workers` are; waits up to `start_timeout_s` for `min_workers`. Only
-    workers that answer count: a frozen one given a rank would hold the others' rendezvous until
-    the scheduler drops it (worker-ttl)."""
-    start, warned = time.monotonic(), set()
-    sizes = (plan.min_workers, plan.max_workers, plan.elastic_wait_s)
-    while True:
-        usable = _rank_of(_usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude))
-        waited = time.monotonic() - start
-        ready, silent = usable, []
-        if enough(len(usable), waited, *sizes):
-            ports = free_ports(client, usable)
-            ready = [a for a in usable if a in ports]
-            if enough(len(ready), waited, *sizes):
-                return ready[: plan.max_workers], ports
-            silent = [a for a in usable if a not in ports]
-            if set(silent) - warned:
-                logger.warning("ft-train: workers %s do not answer; waiting for others", silent)
-                warned |= set(silent)
-        if waited > plan.start_timeout_s:
-            also = f" ({len(silent)} more did not answer: frozen or busy)" if silent else ""
-            if exclude:
-                also += f" ({len(exclude)} lost or killed in this run's earlier attempts)"
-            raise WorkerStartupError(
-                f"only {len(ready)} of {plan.min_workers} Dask workers were available after "
-                f"{plan.start_timeout_s:.0f}s{also} (scheduler {client.scheduler.address}); add "
-                "workers, or raise scaling_config.worker_start_timeout_s"
-            )
-        time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadlines
-
-
-def more_workers_available(client: Client, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
-    """Could a group grow: fewer ranks than max_workers, and an idle usable worker?"""
-    if len(current) >= plan.max_workers:
-        return False
-    usable = _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
-    return should_grow(len(current), plan.max_workers, len(set(usable) - set(current)))
-
-
 class WorkerGroup:
     def __init__(
-        self, client: Client, attempt: int, events: "queue.Queue[GroupEvent]", storage_uri: str = ""
+        self, client: Client, attempt: int, events: queue.Queue[GroupEvent], storage_uri: str = ""
     ):
         self.client = client
         self.storage_uri = storage_uri  # the run's, which names its ranks' journals
@@ -138,7 +64,11 @@ class WorkerGroup:
         self.stopped = False
 
     def start(
-        self, plan: GroupPlan, checkpoint_dir: str | None, start_report_index: int, exclude: set[str]
+        self,
+        plan: GroupPlan,
+        checkpoint_dir: str | None,
+        start_report_index: int,
+        exclude: set[str],
     ) -> None:
         addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -165,8 +95,14 @@ class WorkerGroup:
             fut.add_done_callback(lambda f, r=rank: self.events.put(_ended(self.attempt, r, f)))
             self.futures.append(fut)
 
-    def _spec(self, plan: GroupPlan, rank: int, master: tuple[str, int],
-              checkpoint_dir: str | None, start_report_index: int) -> RankSpec:
+    def _spec(
+        self,
+        plan: GroupPlan,
+        rank: int,
+        master: tuple[str, int],
+        checkpoint_dir: str | None,
+        start_report_index: int,
+    ) -> RankSpec:
         """What rank `rank` is started with: its place among the group's hosts and workers."""
         hosts = sorted(set(self.hosts.values()))
         host = self.hosts[self.addresses[rank]]
@@ -223,7 +159,7 @@ class WorkerGroup:
         return "node_loss"
 
     def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
-        """The journals of this attempt's ranks (`ft_train.journal`), once the group has
+        """The journals of this attempt's ranks (`ft_train.worker.journal`), once the group has
         stopped: rank -> {"index": the last report that returned, "messages": [...]}. Read
         through each node's nanny, which outlives its worker, all nodes at once; a node whose
         nanny is gone or silent within knobs.ANSWER_TIMEOUT_S (a lost node), and those in `skip`, are
@@ -241,7 +177,7 @@ class WorkerGroup:
             )
             try:
                 answer = await asyncio.wait_for(call, knobs.ANSWER_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 return {}  # gone, or frozen: its node's journals are lost with it
             if answer.get("status") != "OK":  # its function raised: logged on that node
                 return {}
@@ -320,8 +256,14 @@ class WorkerGroup:
         controller about them)."""
         with dask.config.set({"distributed.comm.timeouts.connect": knobs.KILL_CONNECT_TIMEOUT}):
             try:
-                self.client.run(fn, *args, workers=workers, wait=wait, on_error="ignore",
-                                callback_timeout=knobs.ANSWER_TIMEOUT_S)
+                self.client.run(
+                    fn,
+                    *args,
+                    workers=workers,
+                    wait=wait,
+                    on_error="ignore",
+                    callback_timeout=knobs.ANSWER_TIMEOUT_S,
+                )
             except TimeoutError:
                 logger.warning("ft-train: workers %s did not answer %s", workers, fn.__name__)
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class InjectedFault(RuntimeError):
@@ -38,7 +39,7 @@ GATES = ("wait", "until_file", "until_preempted")
 def _hand_over_reports() -> None:
     """Before a gate: hand the rank's queued reports to the driver (they go in batches,
     `rank.DaskSender`), so that when the test acts the driver has every report the rank made."""
-    from . import session
+    from ..worker import session
 
     flush = getattr(getattr(session._session, "send", None), "flush", None)
     if flush is not None:
@@ -74,7 +75,7 @@ def maybe_inject(faults: Iterable[dict[str, Any]] | None, rank: int, step: int) 
                 threading.Event().wait(0.01)
             return
         if kind == "until_preempted":
-            from .preemption import local_deadline
+            from ..worker.preemption import local_deadline
 
             while local_deadline() is None:  # until this worker is told to leave (SIGTERM)
                 threading.Event().wait(0.01)

@@ -7,19 +7,20 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
+from ..config import RunConfig, ScalingConfig
+from ..controller import Callback, Controller, GroupPlan
+from ..errors import ConfigError, RunLockedError, StorageError
+from ..result import TrainResult
+from ..storage.checkpoint_manager import CheckpointManager
+from ..storage.fs import Storage
+from ..storage.run_state import STATE_FILE, FailureRecord, RunState, RunStore
+from ..worker.rank import load_train_loop
 from . import resume
-from .checkpoint_manager import CheckpointManager
-from .config import RunConfig, ScalingConfig
-from .controller import Callback, Controller, GroupPlan
-from .errors import ConfigError, RunLockedError, StorageError
 from .lease import LEASE_FILE, RunLease
-from .rank import load_train_loop
-from .result import TrainResult
-from .run_state import STATE_FILE, FailureRecord, RunState, RunStore
-from .storage import Storage
 from .worker_group import DaskCluster
 
 logger = logging.getLogger("ft_train")
@@ -27,7 +28,7 @@ logger = logging.getLogger("ft_train")
 
 @dataclass
 class RunPlan:
-    train_loop: Union[str, Callable]
+    train_loop: str | Callable
     train_loop_config: dict[str, Any]
     scaling: ScalingConfig
     run_config: RunConfig
@@ -49,14 +50,14 @@ class RunPlan:
 
 
 def prepare_run(
-    train_loop: Union[str, Callable],
-    train_loop_config: Optional[dict[str, Any]],
+    train_loop: str | Callable,
+    train_loop_config: dict[str, Any] | None,
     scaling: ScalingConfig,
     run_config: RunConfig,
     log: Callable[[str], None] = logger.info,
     holder: str = "",
     holder_id: str = "",
-    storage: Optional[Storage] = None,
+    storage: Storage | None = None,
 ) -> RunPlan:
     """Validate the input, take the run's lease (`holder` says who for, `holder_id` its id: a
     flow run), find (or create) the run state and remove the checkpoint directories a crashed
@@ -74,8 +75,13 @@ def prepare_run(
     # newer ft-train, a directory that is not a run's), storage that cannot be used, and a
     # refusal by run_config.resume all fail here with nothing written, not even the lease. Asked
     # again under the lease, where it counts.
-    resume.check(run_config, peek(run_config, storage, store), new,
-                 storage.uri(run_config.name), lambda msg: None)
+    resume.check(
+        run_config,
+        peek(run_config, storage, store),
+        new,
+        storage.uri(run_config.name),
+        lambda msg: None,
+    )
     lease = RunLease(storage, run_config.name, holder, holder_id, log=log)
     try:
         lease.acquire()
@@ -83,7 +89,9 @@ def prepare_run(
         plan = _rehydrate(train_loop, config, scaling, run_config, new, storage, store, lease, log)
     except BaseException as e:
         lease.release()
-        if isinstance(e, (StorageError, RunLockedError, ConfigError)) or not isinstance(e, Exception):
+        if isinstance(e, (StorageError, RunLockedError, ConfigError)) or not isinstance(
+            e, Exception
+        ):
             raise
         raise storage_error(run_config, "use", e) from None
     if plan.finished:
@@ -112,7 +120,7 @@ def loop_config(train_loop_config: Any) -> dict[str, Any]:
     return dict(train_loop_config)
 
 
-def peek(run_config: RunConfig, storage: Storage, store: RunStore) -> Optional[RunState]:
+def peek(run_config: RunConfig, storage: Storage, store: RunStore) -> RunState | None:
     """The stored run state, read without the lease; for a new run, a check that a run can be
     created there. A local path is checked first (no I/O to speak of), so that a file in the
     way is named as such; a bucket only for a new run (one request)."""
@@ -147,10 +155,15 @@ def _check_new_run_dir(run_config: RunConfig, storage: Storage) -> None:
     """A new run: its directory must hold nothing that ft-train did not write (a name that
     collides with other data, a run whose state was deleted): a run started there would mix
     with it, and its orphan collection could delete checkpoints the lost state referenced."""
-    foreign = [n for n in storage.list_dir(run_config.name)
-               if n not in _BEFORE_STATE and not _TEMP.search(n)]
+    foreign = [
+        n
+        for n in storage.list_dir(run_config.name)
+        if n not in _BEFORE_STATE and not _TEMP.search(n)
+    ]
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
         raise StorageError(
             f"{storage.uri(run_config.name)} holds files but no {STATE_FILE} ({shown}): it is not "
             "an ft-train run, or its run state was deleted. Use another run_config.name (or "
@@ -163,8 +176,10 @@ def storage_error(run_config: RunConfig, doing: str, e: Exception) -> StorageErr
     if isinstance(e, PermissionError) and "://" not in run_config.storage_path:
         hint = "permission denied: give a run_config.storage_path you can write to"
     elif isinstance(e, PermissionError):
-        hint = ("permission denied: check the credentials in run_config.storage_options (key, "
-                "secret) or the environment's, and that they may read and write there")
+        hint = (
+            "permission denied: check the credentials in run_config.storage_options (key, "
+            "secret) or the environment's, and that they may read and write there"
+        )
     elif isinstance(e, (NotADirectoryError, FileExistsError)):
         hint = "a part of the path is a file: give a directory in run_config.storage_path"
     else:
@@ -175,7 +190,7 @@ def storage_error(run_config: RunConfig, doing: str, e: Exception) -> StorageErr
 
 
 def _rehydrate(
-    train_loop: Union[str, Callable],
+    train_loop: str | Callable,
     config: dict[str, Any],
     scaling: ScalingConfig,
     run_config: RunConfig,
@@ -232,12 +247,16 @@ def _sweep_orphans(
     except RunLockedError:
         raise
     except Exception as e:  # leftovers cost space, not correctness: train, and sweep next time
-        log(f"could not remove the uncommitted checkpoint directories of run {state.name!r} "
-            f"({type(e).__name__}: {e}); the next driver start tries again")
+        log(
+            f"could not remove the uncommitted checkpoint directories of run {state.name!r} "
+            f"({type(e).__name__}: {e}); the next driver start tries again"
+        )
         return
     if removed:
-        log(f"removed {len(removed)} uncommitted checkpoint directories left by a crash: "
-            f"{', '.join(removed)}")
+        log(
+            f"removed {len(removed)} uncommitted checkpoint directories left by a crash: "
+            f"{', '.join(removed)}"
+        )
 
 
 def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bool) -> None:
@@ -299,8 +318,14 @@ def make_controller(
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     controller = Controller(
-        DaskCluster(client), group_plan, plan.state, plan.store, manager,
-        plan.run_config.failure_config, log, callbacks,
+        DaskCluster(client),
+        group_plan,
+        plan.state,
+        plan.store,
+        manager,
+        plan.run_config.failure_config,
+        log,
+        callbacks,
     )
     plan.lease.on_lost = controller.lease_lost  # stop training at once, not at the next write
     return controller

@@ -33,16 +33,16 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
-from typing import Callable, Optional
 
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import knobs
-from .errors import RunLockedError
-from .run_state import now
-from .storage import Storage
+from .. import knobs
+from ..errors import RunLockedError
+from ..storage.fs import Storage
+from ..storage.run_state import now
 
 logger = logging.getLogger("ft_train")
 
@@ -63,7 +63,7 @@ def _machine() -> str:
         return f"{socket.gethostname()}/{psutil.boot_time():.0f}"
 
 
-def _started(pid: int) -> Optional[float]:
+def _started(pid: int) -> float | None:
     """When process `pid` started (epoch s), or None if there is none (a zombie, killed and
     not yet reaped by its parent, is none)."""
     try:
@@ -94,7 +94,9 @@ class LeaseDoc(BaseModel):
 
     def describe(self) -> str:
         what = f"{self.holder}, " if self.holder else ""
-        return f"{what}pid {self.pid} on {self.host}, since {self.acquired_at:%Y-%m-%d %H:%M:%S} UTC"
+        return (
+            f"{what}pid {self.pid} on {self.host}, since {self.acquired_at:%Y-%m-%d %H:%M:%S} UTC"
+        )
 
 
 class RunLease:
@@ -112,8 +114,8 @@ class RunLease:
     ):
         self.storage, self.name, self.ttl_s, self.log = storage, name, ttl_s, log
         self.path = f"{name}/{LEASE_FILE}"
-        self.on_lost: Optional[Callable[[str], None]] = None
-        self.previous: Optional[LeaseDoc] = None  # the lease as acquire() found it
+        self.on_lost: Callable[[str], None] | None = None
+        self.previous: LeaseDoc | None = None  # the lease as acquire() found it
         self._doc = LeaseDoc(
             owner=uuid.uuid4().hex,
             machine=MACHINE,
@@ -126,18 +128,18 @@ class RunLease:
             acquired_at=now(),
             renewed_at=now(),
         )
-        self._tag: Optional[str] = None  # the version of the lease we last wrote
+        self._tag: str | None = None  # the version of the lease we last wrote
         self._valid_until = 0.0  # monotonic
-        self._lost: Optional[str] = None
+        self._lost: str | None = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # -- the driver's side --------------------------------------------------------------------
 
     def acquire(self) -> None:
         """Take the lease, waiting up to its ttl for a holder on another machine that may have
         died; raise RunLockedError while another driver holds it."""
-        watched: Optional[tuple[str, int]] = None  # (owner, renewals) first seen
+        watched: tuple[str, int] | None = None  # (owner, renewals) first seen
         deadline = 0.0
         while True:
             found = self.storage.read_versioned(self.path)
@@ -167,17 +169,12 @@ class RunLease:
                 if alive is None:
                     time.sleep(min(1.0, other.ttl_s / knobs.LEASE_RENEWALS_PER_TTL))
                     continue
-                self.log(f"taking over the lease of run {self.name!r} from {other.describe()}: "
-                         "that driver is gone")
+                self.log(
+                    f"taking over the lease of run {self.name!r} from {other.describe()}: "
+                    "that driver is gone"
+                )
             started = time.monotonic()
-            self._doc.acquired_at = self._doc.renewed_at = now()
-            _held.add(self._doc.owner)  # first: from the write on, our threads see it held
-            new_tag = None
-            try:
-                new_tag = self.storage.write_if(self.path, self._bytes(), tag)
-            finally:
-                if new_tag is None:
-                    _held.discard(self._doc.owner)
+            new_tag = self._write_if(tag)
             if new_tag is not None:
                 self.previous = other
                 break
@@ -185,6 +182,19 @@ class RunLease:
         self._tag, self._valid_until = new_tag, started + self.ttl_s
         self._thread = threading.Thread(target=self._renew, name="ft-train-lease", daemon=True)
         self._thread.start()
+
+    def _write_if(self, tag: str | None) -> str | None:
+        """Write our lease if the stored one is still `tag`; its new tag, or None if another
+        driver wrote first."""
+        self._doc.acquired_at = self._doc.renewed_at = now()
+        _held.add(self._doc.owner)  # first: from the write on, our threads see it held
+        new_tag = None
+        try:
+            new_tag = self.storage.write_if(self.path, self._bytes(), tag)
+        finally:
+            if new_tag is None:
+                _held.discard(self._doc.owner)
+        return new_tag
 
     def check(self) -> None:
         """Raise RunLockedError unless this driver still holds the lease. No I/O."""
@@ -229,8 +239,10 @@ class RunLease:
                         tag = found[1]
             except Exception as e:
                 if time.monotonic() < self._valid_until:
-                    self.log(f"could not renew the lease of run {self.name!r} "
-                             f"({type(e).__name__}: {e}); trying again")
+                    self.log(
+                        f"could not renew the lease of run {self.name!r} "
+                        f"({type(e).__name__}: {e}); trying again"
+                    )
                     continue
                 tag, why = None, f"could not renew it for {self.ttl_s:g}s ({type(e).__name__}: {e})"
             else:
@@ -246,7 +258,7 @@ class RunLease:
         return self._doc.model_dump_json(indent=1).encode()
 
 
-def holder_alive(doc: LeaseDoc) -> Optional[bool]:
+def holder_alive(doc: LeaseDoc) -> bool | None:
     """Is the driver that wrote lease `doc` alive? None when only its renewals can tell (it is
     on another machine, and renewed it within the last two ttls)."""
     if doc.released:
@@ -260,20 +272,20 @@ def holder_alive(doc: LeaseDoc) -> Optional[bool]:
     return False if age > 2 * doc.ttl_s else None
 
 
-def read_lease(storage: Storage, name: str) -> Optional[LeaseDoc]:
+def read_lease(storage: Storage, name: str) -> LeaseDoc | None:
     """Run `name`'s lease as last written, or None if it has none (or not one that parses)."""
     found = storage.read_versioned(f"{name}/{LEASE_FILE}")
     return None if found is None else parse_lease(found[0])
 
 
-def live_holder(storage: Storage, name: str) -> Optional[LeaseDoc]:
+def live_holder(storage: Storage, name: str) -> LeaseDoc | None:
     """The lease of the driver that is training run `name` now, where this machine can tell at
     once (not one on another machine, whose renewals alone can tell); else None."""
     doc = read_lease(storage, name)
     return doc if doc is not None and holder_alive(doc) is True else None
 
 
-def parse_lease(raw: bytes) -> Optional[LeaseDoc]:
+def parse_lease(raw: bytes) -> LeaseDoc | None:
     """The lease in `raw`, or None for one that is not (taken as free, and overwritten)."""
     try:
         return LeaseDoc.model_validate_json(raw)

@@ -24,20 +24,19 @@ import logging
 import os
 import signal
 import time
-from typing import Optional
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .protocol import Agreement, decode_flags, encode_flags
+from ..protocol import Agreement, decode_flags, encode_flags
 
 logger = logging.getLogger("ft_train")
 
 TOPIC = "ft-train-preemption"
 
 # This process's notice: the epoch time by which its worker leaves. Set by the signal handler.
-_deadline: Optional[float] = None
+_deadline: float | None = None
 # The attempt whose ranks the driver asked to stop (they all leave at the same later report).
-_stop_for: Optional[str] = None
+_stop_for: str | None = None
 # Is a rank's training function running in this process (`session.install` says)?
 _rank_running = False
 
@@ -65,7 +64,7 @@ def request_stop(attempt_id: str) -> None:
     _stop_for = attempt_id
 
 
-def local_deadline() -> Optional[float]:
+def local_deadline() -> float | None:
     return _deadline
 
 
@@ -118,8 +117,14 @@ class PendingAgreement:
     one starts (the group takes the largest)."""
 
     def __init__(
-        self, control_group, rank: int, world_size: int, attempt_id: str, finished: bool,
-        every: int = 1, index: int = 0,
+        self,
+        control_group,
+        rank: int,
+        world_size: int,
+        attempt_id: str,
+        finished: bool,
+        every: int = 1,
+        index: int = 0,
     ):
         import torch
         import torch.distributed as dist
@@ -142,7 +147,11 @@ class PendingAgreement:
 
 
 def agree(
-    control_group, rank: int, world_size: int, attempt_id: str, finished: bool = False,
+    control_group,
+    rank: int,
+    world_size: int,
+    attempt_id: str,
+    finished: bool = False,
     index: int = 0,
 ) -> Agreement:
     """The agreement, waited for."""

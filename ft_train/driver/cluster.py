@@ -24,15 +24,15 @@ import logging
 import multiprocessing.forkserver
 import os
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Optional, Sequence
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
-from . import knobs
-from .config import ClusterConfig, ScalingConfig
-from .errors import ConfigError
+from .. import knobs
+from ..config import ClusterConfig, ScalingConfig
+from ..errors import ConfigError
 
 logger = logging.getLogger("ft_train")
 
@@ -73,7 +73,7 @@ DASK_SETTINGS = {
 # imported by the first DistributedDataParallel, about a second).
 FORKSERVER_PRELOAD = ["distributed", "torch", "torch.distributed", "torch._dynamo"]
 
-_forkserver_env: Optional[dict[str, str]] = None  # the environment our fork server started in
+_forkserver_env: dict[str, str] | None = None  # the environment our fork server started in
 _forkserver_lock = threading.Lock()
 
 
@@ -83,7 +83,9 @@ def _spawn_environ() -> dict[str, str]:
     env = dict(os.environ)
     prefix = "distributed.nanny.pre-spawn-environ."
     pre_spawn = dict(dask.config.get(prefix[:-1]))  # read, not set: other threads share the config
-    pre_spawn.update({k[len(prefix):]: v for k, v in DASK_SETTINGS.items() if k.startswith(prefix)})
+    pre_spawn.update(
+        {k[len(prefix) :]: v for k, v in DASK_SETTINGS.items() if k.startswith(prefix)}
+    )
     for k, v in pre_spawn.items():
         if v is not None:
             env.setdefault(k, str(v))
@@ -176,7 +178,10 @@ def _gpu_cluster(n: int) -> SpecCluster:
         }
         for i in range(n)
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}}
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+    }
     return SpecCluster(scheduler=scheduler, workers=workers, silence_logs=logging.ERROR)
 
 
@@ -219,7 +224,9 @@ def _local_cluster(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[S
                 memory_limit=0,
                 silence_logs=logging.ERROR,
                 env=env,
-                preload=["ft_train.cluster"],  # dask_setup below, in each worker as it starts
+                preload=[
+                    "ft_train.driver.cluster"
+                ],  # dask_setup below, in each worker as it starts
             )
         with local:
             _stop_checks_of_settings_that_are_off(local)
@@ -235,8 +242,10 @@ def _stop_checks_of_settings_that_are_off(local: SpecCluster) -> None:
     scheduler = local.scheduler
 
     async def stop() -> None:
-        for name, setting in (("idle-timeout", scheduler.idle_timeout),
-                              ("no-workers-timeout", scheduler.no_workers_timeout)):
+        for name, setting in (
+            ("idle-timeout", scheduler.idle_timeout),
+            ("no-workers-timeout", scheduler.no_workers_timeout),
+        ):
             if setting is None and name in scheduler.periodic_callbacks:
                 scheduler.periodic_callbacks[name].stop()
 
@@ -256,7 +265,7 @@ def dask_setup(worker) -> None:
 def check_fits(cluster: ClusterConfig, scaling: ScalingConfig) -> None:
     """Refuse, before anything starts, a local cluster that can never hold the group: waiting
     `worker_start_timeout_s` for workers it will never have tells the user nothing more. (An
-    existing cluster may grow: `worker_group.await_workers` waits for it.)"""
+    existing cluster may grow: `placement.await_workers` waits for it.)"""
     if cluster.address is not None:
         return
     if cluster.n_workers is not None and cluster.n_workers < scaling.min_workers:
@@ -284,8 +293,8 @@ def check_scheduler(cluster: ClusterConfig) -> None:
     timeout (`distributed.comm.timeouts.connect`)."""
     if cluster.address is None:
         return
-    from distributed.comm import connect
     from dask.utils import parse_timedelta
+    from distributed.comm import connect
 
     timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
 
@@ -315,8 +324,9 @@ class Ahead:
         self.future: Future[SpecCluster] = Future()
         with _ahead_lock:
             _ahead.append(self)
-        threading.Thread(target=self._start, args=(cluster, scaling), name="ft-train-cluster-ahead",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._start, args=(cluster, scaling), name="ft-train-cluster-ahead", daemon=True
+        ).start()
 
     def _start(self, cluster: ClusterConfig, scaling: ScalingConfig) -> None:
         try:
@@ -338,7 +348,7 @@ _ahead: list[Ahead] = []
 _ahead_lock = threading.Lock()
 
 
-def _take_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Optional[Ahead]:
+def _take_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Ahead | None:
     key = (cluster.n_workers, scaling.max_workers)
     with _ahead_lock:
         for ahead in _ahead:

@@ -3,7 +3,7 @@
 
 The head holds the newest committed checkpoints with their metrics, the report index, the failure
 history, the attempts, the config the run last trained with (and its fingerprint: all that runs
-stored before the config itself record; `ft_train.resume`) and the status. No pickles, no user code: a run stays
+stored before the config itself record; `ft_train.driver.resume`) and the status. No pickles, no user code: a run stays
 readable by any later ft-train (unknown fields are ignored, missing ones take defaults; a document
 from a newer schema is refused with a clear error). A rerun reads the head and nothing else
 (storage invariant 5), so its cost does not grow with the run's history.
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
-from typing import Any, Literal, Optional
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import StorageError
-from .storage import Storage
+from ..errors import StorageError
+from .fs import Storage
 
 SCHEMA_VERSION = 2
 STATE_FILE = "run_state.json"
@@ -52,7 +52,7 @@ RunStatus = Literal["running", "finished", "failed", "interrupted"]
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class _Doc(BaseModel):
@@ -61,8 +61,8 @@ class _Doc(BaseModel):
 
 class FailureRecord(_Doc):
     kind: FailureKind
-    rank: Optional[int] = None
-    step: Optional[int] = None  # the rank's report index when it failed
+    rank: int | None = None
+    step: int | None = None  # the rank's report index when it failed
     error: str = ""
     time: datetime = Field(default_factory=now)
     attempt: int = 0
@@ -81,7 +81,7 @@ class AttemptRecord(_Doc):
     attempt: int
     attempt_id: str
     world_size: int
-    restored_from: Optional[str] = None  # checkpoint dir_name, None on a fresh start
+    restored_from: str | None = None  # checkpoint dir_name, None on a fresh start
     start_report_index: int = 0
     started_at: datetime = Field(default_factory=now)
 
@@ -91,19 +91,19 @@ class RunState(_Doc):
     name: str
     status: RunStatus = "running"
     config_fingerprint: str = ""
-    # The config the run last trained with (`ft_train.resume.config_doc`); None if stored before.
-    config: Optional[dict[str, Any]] = None
+    # The config the run last trained with (`ft_train.driver.resume.config_doc`); None if stored before.
+    config: dict[str, Any] | None = None
     report_index: int = 0  # report rounds covered by the latest committed checkpoint
     # The newest retained checkpoints, commit order. Older ones are in the sealed chunks.
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)
     sealed_chunks: int = Field(0, ge=0)  # chunks 0..sealed_chunks-1 hold the ones before these
-    latest: Optional[str] = None
+    latest: str | None = None
     failures: list[FailureRecord] = Field(default_factory=list)
     budget_start: int = 0  # failures before this index do not count toward max_failures
     attempts: list[AttemptRecord] = Field(default_factory=list)
     driver_runs: int = 0
-    final_metrics: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
+    final_metrics: dict[str, Any] | None = None
+    error: str | None = None
     created_at: datetime = Field(default_factory=now)
     updated_at: datetime = Field(default_factory=now)
 
@@ -111,12 +111,12 @@ class RunState(_Doc):
     def charged_failures(self) -> int:
         return sum(f.charged for f in self.failures[self.budget_start :])
 
-    def latest_entry(self) -> Optional[CheckpointEntry]:
+    def latest_entry(self) -> CheckpointEntry | None:
         """The latest checkpoint's entry: always in the head (the last one committed)."""
         return next((c for c in self.checkpoints if c.dir_name == self.latest), None)
 
     @property
-    def metrics(self) -> Optional[dict[str, Any]]:
+    def metrics(self) -> dict[str, Any] | None:
         """The run's metrics: the last report of a finished run, else its latest checkpoint's."""
         latest = self.latest_entry()
         return self.final_metrics or (latest.metrics if latest else None)
@@ -146,7 +146,7 @@ class RunStore:
         if self.lease is not None:
             self.lease.check()
 
-    def load(self) -> Optional[RunState]:
+    def load(self) -> RunState | None:
         """The head, or None for a new run: one read, whatever the run's history."""
         raw = self.storage.read_bytes(self.path)
         return None if raw is None else self.parse(raw)
@@ -203,7 +203,7 @@ class RunStore:
                 ) from None
         return entries + state.checkpoints
 
-    def _read_json(self, path: str, what: str) -> Optional[dict[str, Any]]:
+    def _read_json(self, path: str, what: str) -> dict[str, Any] | None:
         """The JSON object at `path`, or None when it does not exist."""
         raw = self.storage.read_bytes(path)
         return None if raw is None else self._json(raw, path, what)

@@ -13,11 +13,12 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
-from . import download_cache
-from .errors import CheckpointDamagedError, SessionError, StorageError
-from .storage import Storage, file_digest
+from ..errors import CheckpointDamagedError, SessionError, StorageError
+from ..worker import download_cache
+from .fs import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
 
@@ -33,12 +34,12 @@ def _inside(rel: Any) -> bool:
 class Checkpoint:
     """A checkpoint directory: `path` is a local directory or a URL, read with `storage_options`."""
 
-    def __init__(self, path: str, storage_options: Optional[dict[str, Any]] = None):
+    def __init__(self, path: str, storage_options: dict[str, Any] | None = None):
         self.path = str(path)
         self.storage_options = dict(storage_options or {})
 
     @classmethod
-    def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
+    def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
         path = os.path.abspath(os.fspath(path))
         if not os.path.isdir(path):
             # A SessionError, not FileNotFoundError: in a rank it ends the run at once (no
@@ -74,14 +75,16 @@ class Checkpoint:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointDamagedError(
                 f"{self.path}/{MANIFEST} is not a manifest ({type(e).__name__}: {e}): the stored "
-                "checkpoint is damaged; delete it, or restore it from a copy", self.path
+                "checkpoint is damaged; delete it, or restore it from a copy",
+                self.path,
             ) from None
         if bad is not None:
             # Never follow it: a restore would read, and write, a file outside the checkpoint.
             raise CheckpointDamagedError(
                 f"{self.path}/{MANIFEST} lists {bad!r}, a path outside the checkpoint: it was not "
                 "written by ft-train, or was altered; delete the checkpoint, or restore it from a "
-                "copy", self.path
+                "copy",
+                self.path,
             )
         return manifest
 
@@ -106,7 +109,7 @@ class Checkpoint:
             with download_cache.cached(root, self.path, self.download_verified) as path:
                 yield path
 
-    def to_directory(self, path: Optional[str] = None) -> str:
+    def to_directory(self, path: str | None = None) -> str:
         """Copy the checkpoint into `path` (a new temporary directory by default); return it."""
         path = path or tempfile.mkdtemp(prefix="ft-train-checkpoint-")
         with self.as_directory() as src:
@@ -124,7 +127,8 @@ class Checkpoint:
             missing = [r for r in sorted(files) if not storage.fs.exists(storage.full(r))]
             raise CheckpointDamagedError(
                 f"{self.path}: {', '.join(missing) or 'a file'} listed in its manifest is missing: "
-                "the stored checkpoint is damaged", self.path
+                "the stored checkpoint is damaged",
+                self.path,
             ) from None
         self._verify(local_dir, files)
         with open(os.path.join(local_dir, MANIFEST), "w") as f:
@@ -141,5 +145,6 @@ class Checkpoint:
             if got != {"size": want["size"], "sha256": want["sha256"]}:
                 raise CheckpointDamagedError(
                     f"{self.path}/{rel} does not match its manifest (size {got['size']} vs "
-                    f"{want['size']}): the stored checkpoint is damaged", self.path
+                    f"{want['size']}): the stored checkpoint is damaged",
+                    self.path,
                 )

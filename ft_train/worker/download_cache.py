@@ -27,9 +27,9 @@ import hashlib
 import os
 import shutil
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from . import knobs
+from .. import knobs
 
 CACHE = "ft-train-cache"
 
@@ -87,7 +87,7 @@ def evict(root: str, keep: int, current: str = "") -> list[str]:
             keys.setdefault(key, -1.0)
     kept = {os.path.basename(current)} if current else set()
     ranked = sorted((k for k in keys if k not in kept), key=keys.__getitem__, reverse=True)
-    return [k for k in ranked[max(0, keep - len(kept)):] if _remove(os.path.join(root, k))]
+    return [k for k in ranked[max(0, keep - len(kept)) :] if _remove(os.path.join(root, k))]
 
 
 def _remove(final: str) -> bool:

@@ -5,7 +5,7 @@ call. `report()` sends one small message to the driver and returns: it never wai
 driver. With a checkpoint attached, the checkpoint's files go into a directory named after the
 report index and the attempt: uploaded before the message is sent (`checkpoint_upload_mode=
 "sync"`, the default), or snapshotted and uploaded in the background, the message following the
-upload (`"async"`, see `ft_train.uploads`).
+upload (`"async"`, see `ft_train.worker.uploads`).
 
 report() also agrees with the other ranks on what they must all learn at the same report (a
 worker's preemption notice, the driver's request to stop, a rank that returned early). That
@@ -18,7 +18,7 @@ than `FailureConfig.agreement_interval_s` (0.25 s), the ranks start one only eve
 Guarantee: once `report()` has returned on every rank for round k, round k's checkpoint is
 committed even if a rank dies the next instant; with `checkpoint_upload_mode="async"`, once its
 uploads are stored. Only a driver death (or the loss of a journal's node) may lose it. report()
-journals what the commit needs before it returns (`_journal`, `_returning`; `ft_train.journal`).
+journals what the commit needs before it returns (`_journal`, `_returning`; `ft_train.worker.journal`).
 
 Contract (what the driver relies on):
 - every rank MUST call `report()` the same number of times; round k is rank 0's metrics plus the
@@ -42,16 +42,18 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
-from . import knobs, preemption
-from .checkpoint import Checkpoint
-from .checkpoint_manager import checkpoint_dir_name
-from .errors import SessionError, StorageError
+from .. import knobs
+from ..errors import SessionError, StorageError
+from ..protocol import Message, PreemptionInfo, Report, UploadIntent
+from ..storage.checkpoint import Checkpoint
+from ..storage.checkpoint_manager import checkpoint_dir_name
+from ..storage.fs import Storage
+from . import preemption
 from .journal import Journal
-from .protocol import Message, PreemptionInfo, Report, UploadIntent
-from .storage import Storage
 from .uploads import Uploads
 
 
@@ -59,7 +61,7 @@ from .uploads import Uploads
 class RankSpec:
     """Everything one rank needs, sent by the driver with the rank's Dask task."""
 
-    train_loop: Union[str, Callable]
+    train_loop: str | Callable
     config: dict[str, Any]
     rank: int
     world_size: int
@@ -74,7 +76,7 @@ class RankSpec:
     backend: str
     use_gpu: bool
     storage: Storage
-    checkpoint_dir: Optional[str]  # latest committed checkpoint, None on a fresh run
+    checkpoint_dir: str | None  # latest committed checkpoint, None on a fresh run
     start_report_index: int
     topic: str
     collective_timeout_s: float  # FailureConfig.collective_timeout_s
@@ -112,7 +114,9 @@ class TrainContext:
 
     def __repr__(self) -> str:
         s = self._spec
-        return f"TrainContext(rank={s.rank}/{s.world_size}, local={s.local_rank}, attempt={s.attempt})"
+        return (
+            f"TrainContext(rank={s.rank}/{s.world_size}, local={s.local_rank}, attempt={s.attempt})"
+        )
 
 
 def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -159,30 +163,29 @@ def _checkpoint_files(checkpoint: Checkpoint, local: str) -> None:
         )
 
 
-
 UploadMode = Literal["sync", "async"]
 UPLOAD_MODES = ("sync", "async")
 
 
 class Session:
     def __init__(
-        self, spec: RankSpec, send: Callable[[Message], None], journal: Optional[Journal] = None
+        self, spec: RankSpec, send: Callable[[Message], None], journal: Journal | None = None
     ):
         self.spec = spec
         self.send = send
-        self.journal = journal  # what must outlive this process (`ft_train.journal`)
+        self.journal = journal  # what must outlive this process (`ft_train.worker.journal`)
         self.report_index = spec.start_report_index
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
-        self.preemption: Optional[PreemptionInfo] = None
-        self._agreement: Optional[preemption.PendingAgreement] = None  # not read yet
+        self.preemption: PreemptionInfo | None = None
+        self._agreement: preemption.PendingAgreement | None = None  # not read yet
         self._agreement_index = 0  # the report index the latest agreement started at
-        self._agreement_time: Optional[float] = None  # and when (time.monotonic)
+        self._agreement_time: float | None = None  # and when (time.monotonic)
         self._next_agreement = spec.start_report_index + 1  # the next one starts at this report
         self.agreements = 0  # started so far
-        self._uploads: Optional[Uploads] = None  # created by the first asynchronous upload
+        self._uploads: Uploads | None = None  # created by the first asynchronous upload
 
-    def checkpoint(self) -> Optional[Checkpoint]:
+    def checkpoint(self) -> Checkpoint | None:
         s = self.spec
         if s.checkpoint_dir is None:
             return None
@@ -191,12 +194,14 @@ class Session:
     def report(
         self,
         metrics: dict[str, Any],
-        checkpoint: Optional[Checkpoint] = None,
+        checkpoint: Checkpoint | None = None,
         checkpoint_upload_mode: UploadMode = "sync",
     ) -> None:
         metrics = _jsonable(metrics)
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
-            raise SessionError("report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)")
+            raise SessionError(
+                "report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)"
+            )
         if checkpoint_upload_mode not in UPLOAD_MODES:
             raise SessionError(
                 f"report(checkpoint_upload_mode={checkpoint_upload_mode!r}): choose 'sync' (upload "
@@ -328,7 +333,7 @@ _UNEQUAL = (
     "the same number of times"
 )
 
-_session: Optional[Session] = None
+_session: Session | None = None
 
 
 def _current() -> Session:
@@ -340,7 +345,7 @@ def _current() -> Session:
     return _session
 
 
-def install(session: Optional[Session]) -> None:
+def install(session: Session | None) -> None:
     global _session
     _session = session
     preemption.rank_running(session is not None)  # a leaving worker waits for its rank
@@ -351,12 +356,12 @@ def get_context() -> TrainContext:
     return _current().context
 
 
-def get_checkpoint() -> Optional[Checkpoint]:
+def get_checkpoint() -> Checkpoint | None:
     """The latest committed checkpoint, or None on a fresh run."""
     return _current().checkpoint()
 
 
-def get_preemption_info() -> Optional[PreemptionInfo]:
+def get_preemption_info() -> PreemptionInfo | None:
     """Set from the report() at which the group learned that workers are leaving (the same
     report on every rank), else None. Save a checkpoint and report it before `deadline`."""
     return _current().preemption
@@ -364,7 +369,7 @@ def get_preemption_info() -> Optional[PreemptionInfo]:
 
 def report(
     metrics: dict[str, Any],
-    checkpoint: Optional[Checkpoint] = None,
+    checkpoint: Checkpoint | None = None,
     checkpoint_upload_mode: UploadMode = "sync",
 ) -> None:
     """Report this step's metrics, optionally with a checkpoint. See the module docstring.

@@ -22,7 +22,8 @@ import hashlib
 import os
 import posixpath
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -135,7 +136,7 @@ class Storage:
         return isinstance(self.fs, LocalFileSystem)
 
     def full(self, path: str) -> str:
-        self.fs  # resolves _root
+        _ = self.fs  # resolves _root
         return posixpath.join(self._root, path) if path else self._root
 
     def uri(self, path: str) -> str:
@@ -279,9 +280,10 @@ class Storage:
         # A local target is a plain file; elsewhere fsspec's buffered writer (on S3, one PUT for a
         # small file, a multipart upload of 50 MiB parts for a large one). After an error the
         # part written so far may stay behind: harmless, as no manifest will ever list it.
-        with open(src, "rb", buffering=0) as f, (
-            open(dst, "wb", buffering=0) if local else self.fs.open(dst, "wb")
-        ) as out:
+        with (
+            open(src, "rb", buffering=0) as f,
+            open(dst, "wb", buffering=0) if local else self.fs.open(dst, "wb") as out,
+        ):
             while n := f.readinto(buf):
                 if should_stop is not None and should_stop():
                     raise UploadStopped(f"upload of {src} stopped")

@@ -34,9 +34,9 @@ import shutil
 import struct
 import tempfile
 import threading
-from typing import Any, Optional, Union
+from typing import Any
 
-from .protocol import Report, UploadIntent
+from ..protocol import Report, UploadIntent
 
 _INDEX = struct.Struct("<q")
 
@@ -57,7 +57,7 @@ def run_key(run_uri: str) -> str:
 class Journal:
     """The rank's side. Thread-safe: the upload thread journals completed uploads."""
 
-    def __init__(self, run: str, attempt_id: str, rank: int, root: Optional[str] = None):
+    def __init__(self, run: str, attempt_id: str, rank: int, root: str | None = None):
         self.rank = rank
         run_dir = os.path.join(root or journal_root(), run)
         self.dir = os.path.join(run_dir, attempt_id)
@@ -67,7 +67,7 @@ class Journal:
         self._lock = threading.Lock()
         self._lines: list[tuple[int, bytes]] = []  # (report index, line), as in the file
         self._lines_fd = os.open(self._lines_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._index_fd: Optional[int] = None
+        self._index_fd: int | None = None
 
     def joined(self, index: int) -> None:
         """The rank joined its process group; `index` is its start report index."""
@@ -80,7 +80,7 @@ class Journal:
         if self._index_fd is not None:
             os.pwrite(self._index_fd, _INDEX.pack(index), 0)
 
-    def append(self, msg: Union[Report, UploadIntent]) -> None:
+    def append(self, msg: Report | UploadIntent) -> None:
         """A checkpoint message (or an upload's intent); one write, so whole or absent."""
         line = json.dumps(msg.wire(), separators=(",", ":")).encode() + b"\n"
         with self._lock:
@@ -119,7 +119,7 @@ def _sweep(run_dir: str, keep: str) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
-def collect(run: str, attempt_id: str, root: Optional[str] = None) -> dict[int, dict[str, Any]]:
+def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dict[str, Any]]:
     """Run on a node (by its nanny): the journals of an attempt's ranks on this node, then
     removed. rank -> {"index": the highest report that returned, "messages": [...]}; a rank that
     never joined its group has no "index"."""

@@ -37,13 +37,13 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional
 
-from . import knobs
-from .errors import SessionError, StorageError
-from .protocol import Report
-from .storage import Storage, UploadStopped, local_files
+from .. import knobs
+from ..errors import SessionError, StorageError
+from ..protocol import Report
+from ..storage.fs import Storage, UploadStopped, local_files
 
 STAGING = "ft-train-staging"
 
@@ -67,16 +67,16 @@ class Uploads:
         storage: Storage,
         send: Callable[[Report], None],
         max_in_flight: int = knobs.MAX_IN_FLIGHT_UPLOADS,
-        staging_root: Optional[str] = None,
+        staging_root: str | None = None,
     ):
         self.storage, self.send, self.max_in_flight = storage, send, max_in_flight
         self._tmp_root = staging_root or os.path.join(tempfile.gettempdir(), STAGING)
         self._own: dict[str, tuple[str, int]] = {}  # staging root -> (our directory, lock fd)
-        self._jobs: "collections.deque[_Job]" = collections.deque()  # [0] is uploading
+        self._jobs: collections.deque[_Job] = collections.deque()  # [0] is uploading
         self._cond = threading.Condition()
-        self._error: Optional[StorageError] = None
+        self._error: StorageError | None = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # -- the rank's side ------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ class Uploads:
             self._thread = threading.Thread(target=self._run, name="ft-train-uploads", daemon=True)
             self._thread.start()
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every upload is done (False if `timeout` passed first); raise an error."""
         with self._cond:
             done = self._cond.wait_for(lambda: not self._jobs, timeout)
@@ -171,9 +171,13 @@ class Uploads:
 
     def _fail(self, job: _Job, e: BaseException) -> None:
         index = job.msg.index
-        error = e if isinstance(e, StorageError) else StorageError(
-            f"the asynchronous upload of report {index}'s checkpoint to "
-            f"{self.storage.uri(job.remote)} failed: {type(e).__name__}: {e}"
+        error = (
+            e
+            if isinstance(e, StorageError)
+            else StorageError(
+                f"the asynchronous upload of report {index}'s checkpoint to "
+                f"{self.storage.uri(job.remote)} failed: {type(e).__name__}: {e}"
+            )
         )
         if error is not e:
             error.__cause__ = e
@@ -253,7 +257,7 @@ _process_dirs_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def staging_dir(size_bytes: Optional[int] = None) -> Iterator[str]:
+def staging_dir(size_bytes: int | None = None) -> Iterator[str]:
     """A new empty directory to write a checkpoint's files into before report(); removed when
     the block ends (a killed process's is removed by the next process that uses one).
 
@@ -274,7 +278,9 @@ def staging_dir(size_bytes: Optional[int] = None) -> Iterator[str]:
             try:  # the lock's fd stays open with the process
                 _process_dirs[root] = claim_dir(root)[0]
             except OSError:  # the root is another user's: a directory of our own, unswept
-                _process_dirs[root] = tempfile.mkdtemp(prefix=STAGING + "-", dir=os.path.dirname(root))
+                _process_dirs[root] = tempfile.mkdtemp(
+                    prefix=STAGING + "-", dir=os.path.dirname(root)
+                )
     path = tempfile.mkdtemp(prefix="checkpoint-", dir=_process_dirs[root])
     try:
         yield path
@@ -282,7 +288,7 @@ def staging_dir(size_bytes: Optional[int] = None) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _ram_root(size_bytes: Optional[int]) -> Optional[str]:
+def _ram_root(size_bytes: int | None) -> str | None:
     if size_bytes is None:
         return None
     for root in RAM_ROOTS:
@@ -315,7 +321,7 @@ def _same_file(fd: int, path: str) -> bool:
         return False
 
 
-def _device(path: str) -> Optional[int]:
+def _device(path: str) -> int | None:
     try:
         return os.stat(path).st_dev
     except OSError:

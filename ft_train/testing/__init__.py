@@ -1,0 +1,1 @@
+"""Test support that stays off the training path: fault injection."""
