@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from .errors import ConfigError
 
@@ -267,7 +268,7 @@ def parse(model: type[M], value: Any, parameter: str) -> M:
         raise ConfigError(f"invalid {parameter}: " + "; ".join(problems.values())) from None
 
 
-def _problem(where: str, about: str | None, error: dict) -> str:
+def _problem(where: str, about: str | None, error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         return (
             f"{where}: there is no such setting; check its spelling, and that it belongs "

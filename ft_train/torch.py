@@ -73,7 +73,7 @@ def _to(batch: Any, device: torch.device) -> Any:
 def prepare_data_loader(loader: DataLoader, seed: int = 0) -> ShardedLoader:
     """Rebuild `loader` over this rank's shard (a DistributedSampler), keeping its other settings."""
     ctx = get_context()
-    sampler = DistributedSampler(
+    sampler: DistributedSampler = DistributedSampler(
         loader.dataset,
         num_replicas=ctx.get_world_size(),
         rank=ctx.get_world_rank(),

@@ -68,7 +68,7 @@ class RunEvents(Callback):
     def on_run_end(self, state: RunState) -> None:
         if state.status not in ("finished", "failed"):
             return  # interrupted: the next flow run goes on with it
-        payload = {
+        payload: dict[str, Any] = {
             "status": state.status,
             "step": state.report_index,
             "metrics": state.metrics or {},

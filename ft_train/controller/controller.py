@@ -207,6 +207,7 @@ class Controller:
         return s
 
     def _commit(self, rnd: Round, how: str = "") -> None:
+        assert rnd.dir_name is not None  # a round with a checkpoint
         self.last_metrics = rnd.metrics
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()

@@ -218,7 +218,7 @@ def _judge_suspect(ctl: Controller, s: GroupState, suspect: Suspect) -> State:
         gone = next((r for r in ranks if att.group.addresses[r] not in alive), None)
     lagging = laggard(ranks, att.done, suspect.rank, exc.step, att.rounds.received)
     blame = judge_suspect(suspect.rank, exc.error, isinstance(s, Preempting), gone, lagging)
-    if blame.kind == "preemption":  # it lost a peer that was leaving
+    if blame.kind == "preemption" and isinstance(s, Preempting):  # it lost a peer that was leaving
         return preempted(ctl, s, None)
     if blame.kind == "lost" and blame.rank is not None:
         return _lost(ctl, s, att.group.addresses[blame.rank])
@@ -246,6 +246,7 @@ def _hung(ctl: Controller, s: GroupState) -> State:
     waiting = att.suspect.rank if att.suspect is not None else None
     ranks = range(len(att.group.addresses))
     rank = hung_rank(ranks, att.done, waiting, att.rounds.received, att.progress)
+    assert rank is not None  # the watchdog fires only while some rank runs
     timeout = ctl.failure_config.hang_timeout_s
     return ctl.fail(
         s, rank, "hang", f"no report() for {timeout:g}s (failure_config.hang_timeout_s)"

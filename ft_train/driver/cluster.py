@@ -111,7 +111,9 @@ def start_forkserver(preload: Sequence[str] = ()) -> bool:
             return False
         env = _spawn_environ()
         with _environ(env):  # the server inherits it, as a nanny's spawned worker would
-            server.set_forkserver_preload(_preload([*server._preload_modules, *preload]))
+            server.set_forkserver_preload(
+                _preload([*getattr(server, "_preload_modules", []), *preload])
+            )
             server.ensure_running()
         _forkserver_env = env
         return True

@@ -234,8 +234,8 @@ class RunLease:
                 tag = self.storage.write_if(self.path, self._bytes(), self._tag)
                 if tag is None:  # changed under us; our own renewal whose reply was lost?
                     found = self.storage.read_versioned(self.path)
-                    mine = found is not None and parse_lease(found[0])
-                    if mine and mine.owner == self._doc.owner:
+                    mine = None if found is None else parse_lease(found[0])
+                    if found is not None and mine is not None and mine.owner == self._doc.owner:
                         tag = found[1]
             except Exception as e:
                 if time.monotonic() < self._valid_until:

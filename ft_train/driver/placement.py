@@ -63,7 +63,7 @@ def await_workers(
     are once at least `min_workers` are; waits up to `start_timeout_s` for `min_workers`. Only
     workers that answer count: a frozen one given a rank would hold the others' rendezvous until
     the scheduler drops it (worker-ttl)."""
-    start, warned = time.monotonic(), set()
+    start, warned = time.monotonic(), set[str]()
     sizes = (plan.min_workers, plan.max_workers, plan.elastic_wait_s)
     while True:
         usable = _rank_of(

@@ -283,7 +283,8 @@ def interrupt_or(error: BaseException) -> BaseException:
     SystemExit, Prefect's TerminationSignal), else `error`. Prefect's task engine puts its own
     error in place of a Ctrl+C that lands while it creates a task run (its crash handler raises
     "ValueError: Task run is not set"): that is still the user's Ctrl+C."""
-    seen, link = set(), error
+    seen: set[int] = set()
+    link: BaseException | None = error
     while link is not None and id(link) not in seen:
         if not isinstance(link, Exception):
             return link

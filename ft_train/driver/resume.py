@@ -137,7 +137,8 @@ def _changed(state: RunState, new: Wanted) -> tuple[list[str], list[str]]:
                 "run's state was stored by an ft-train that recorded no more than that)"
             ], []
         return [], []
-    training, other = [], []
+    training: list[str] = []
+    other: list[str] = []
     for key, value in new.doc.items():
         diff = changes(state.config.get(key), value, key)
         (training if key in TRAINING else other).extend(diff)

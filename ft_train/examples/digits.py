@@ -119,7 +119,9 @@ def train_loop(config: dict[str, Any]) -> None:
                 return
 
 
-def make_loader(train_set: TensorDataset, config: dict[str, Any], seed: int) -> DataLoader:
+def make_loader(
+    train_set: TensorDataset, config: dict[str, Any], seed: int
+) -> ft_train.torch.ShardedLoader:
     """The rank's shard of the training set, shuffled the same way on every rank and resume."""
     loader = DataLoader(
         train_set,

@@ -33,7 +33,7 @@ def checkpoint_dir_name(report_index: int, attempt: int, attempt_id: str) -> str
 
 
 def score(entry: CheckpointEntry, cfg: CheckpointConfig) -> float:
-    value = entry.metrics.get(cfg.checkpoint_score_attribute)
+    value = entry.metrics.get(cfg.checkpoint_score_attribute or "")
     if not isinstance(value, (int, float)) or math.isnan(value):
         return -math.inf  # missing or NaN ranks worst
     return value if cfg.checkpoint_score_order == "max" else -value

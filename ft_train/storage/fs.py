@@ -120,7 +120,7 @@ class Storage:
         return {"url": self.url, "options": self.options}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["url"], state["options"])
+        Storage.__init__(self, state["url"], state["options"])
 
     def __repr__(self) -> str:  # never print storage_options: they may hold secrets
         return f"Storage({self.url!r})"
@@ -226,8 +226,8 @@ class Storage:
                     return None
                 raise
         if not self.is_local:  # not atomic: see the module's docstring
-            current = self.read_versioned(path)
-            if (None if current is None else current[1]) != tag:
+            stored = self.read_versioned(path)
+            if (None if stored is None else stored[1]) != tag:
                 return None
             self.fs.pipe_file(target, data)
             return _content_tag(data)

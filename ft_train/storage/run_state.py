@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -133,13 +133,19 @@ def fingerprint(**parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+class Fence(Protocol):
+    """What a RunStore asks before each write (the driver's RunLease)."""
+
+    def check(self) -> None: ...
+
+
 class RunStore:
     """Reads and writes one run's state document (the head) and its sealed index chunks."""
 
     def __init__(self, storage: Storage, name: str):
         self.storage, self.name = storage, name
         self.path = f"{name}/{STATE_FILE}"
-        self.lease = None  # the driver's RunLease: every write asks it first
+        self.lease: Fence | None = None  # the driver's RunLease: every write asks it first
 
     def fence(self) -> None:
         """Raise RunLockedError if this driver no longer holds the run's lease."""

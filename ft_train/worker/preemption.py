@@ -51,11 +51,12 @@ class GroupStop(BaseException):
     training function's `except Exception` does not swallow it."""
 
 
-def give_notice(deadline: float) -> None:
+def give_notice(deadline: float) -> float:
     """Run on a worker (also by Client.run): the ranks learn, one report() later, that this
-    worker leaves by `deadline` (epoch seconds)."""
+    worker leaves by `deadline` (epoch seconds). Returns the deadline now in force."""
     global _deadline
     _deadline = deadline if _deadline is None else min(_deadline, deadline)
+    return _deadline
 
 
 def request_stop(attempt_id: str) -> None:
@@ -96,10 +97,11 @@ class PreemptionWatcher(WorkerPlugin):
         its peers in their collectives: end the process, so they see the closed connection."""
         if not _rank_running:
             return
-        if _deadline is None:
-            give_notice(time.time() + self.grace_s)
-            worker.log_event(TOPIC, {"worker": worker.address, "deadline": _deadline})
-        while _rank_running and time.time() < _deadline:
+        deadline = _deadline
+        if deadline is None:
+            deadline = give_notice(time.time() + self.grace_s)
+            worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})
+        while _rank_running and time.time() < deadline:
             await asyncio.sleep(0.02)
         if _rank_running:
             os._exit(0)
@@ -136,7 +138,7 @@ class PendingAgreement:
         self.work = None
         if world_size > 1:
             options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.MAX
+            options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stubs
             # a ProcessGroup or a bare gloo backend (`rank._control_group`): both take this call
             self.work = control_group.allreduce([self.flags], options)
 

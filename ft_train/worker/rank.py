@@ -58,7 +58,7 @@ def _import_train_loop(train_loop: Any) -> Callable:
             f"train_loop {train_loop!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
             "check the path and that the package is installed where the ranks run"
         ) from None
-    fn = module
+    fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
     if fn is None:
@@ -193,7 +193,8 @@ def _control_group():
 def _damaged(error: BaseException) -> str | None:
     """The path of the damaged checkpoint behind `error`, if a CheckpointDamagedError is in its
     chain (a training function may wrap it)."""
-    seen, link = set(), error
+    seen: set[int] = set()
+    link: BaseException | None = error
     while link is not None and id(link) not in seen:
         if isinstance(link, CheckpointDamagedError):
             return link.path
@@ -208,7 +209,7 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
 
     sender = DaskSender(spec.topic) if send is None else None
     journal = Journal(run_key(spec.storage.uri(spec.name)), spec.attempt_id, spec.rank)
-    session = Session(spec, send or sender, journal)
+    session = Session(spec, send or sender, journal)  # type: ignore[arg-type]  # one of them is set
     _session.install(session)
     try:
         fn = load_train_loop(spec.train_loop)

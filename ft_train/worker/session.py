@@ -231,7 +231,7 @@ class Session:
 
     # Crash ordering: what report() journals is on the node before it returns; what it sends
     # may still be queued in this process. The driver reads the journals after a failure.
-    def _journal(self, msg: Message) -> None:
+    def _journal(self, msg: Report | UploadIntent) -> None:
         if self.journal is not None:
             self.journal.append(msg)
 
@@ -256,6 +256,7 @@ class Session:
 
     def _read_agreement(self, msg: Report) -> Report:
         previous, self._agreement = self._agreement, None
+        assert previous is not None  # started at an earlier report (_start_agreement)
         agreed = previous.result()
         if agreed.any_finished:
             raise SessionError(_UNEQUAL.format(self._agreement_index))
