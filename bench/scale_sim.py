@@ -1,0 +1,294 @@
+"""Simulated ranks for the control-plane scale benchmark (`bench/scale.py`): no torch, no Dask
+cluster, but the real driver side.
+
+What is real: the controller (`ft_train.controller`), the worker group's event handling
+(`SimGroup` is a `ft_train.driver.worker_group.WorkerGroup`: its `_spec`, `_on_reports` and
+`_on_scheduler_event` are the ones a run uses), the ranks' `Session.report()` with its upload
+(`Storage.upload_dir`), journal (`ft_train.worker.journal`, read back with `journal.collect`, as a
+nanny does) and wire messages (`protocol`), the run state, its store and the checkpoint manager.
+
+What is simulated:
+- a rank is a thread (1 024 of them fit a 2-core machine; asyncio tasks would serialise the
+  blocking upload, and a Dask worker per rank does not fit); its training step is a
+  `threading.Barrier` across the group (the step's all-reduce). No agreement (the control gloo
+  group) runs, so `report()` skips it, and the journals are not trimmed;
+- the Dask transport: each message a rank sends is one event (no `REPORT_BATCH_S` batching, the
+  worst case for the driver), msgpack'd on the rank's thread and unpacked on one receiver thread,
+  the driver's Dask client thread; its handling is charged to the driver;
+- the scheduler: `lose()` hands the group the `remove-worker` event the scheduler would send
+  once it notices a worker gone (that notice itself, a closed connection or `worker-ttl`, is
+  not simulated);
+- the ranks' pace: after a checkpoint round a rank waits until the driver has committed it
+  (`Timings.commit_of`), so that the driver's commit is timed while no rank thread competes with
+  it for the GIL, as no rank process does in a run;
+- gloo: when the group is stopped, the surviving ranks' barrier breaks, as the collectives of a
+  group whose peer is gone do, and the ranks end with "Connection closed by peer".
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ft_train.controller.ports import GroupPlan
+from ft_train.driver.worker_group import WorkerGroup
+from ft_train.errors import RankFailure
+from ft_train.protocol import GroupEvent, Message, RankEnded, Started
+from ft_train.storage.checkpoint import Checkpoint
+from ft_train.worker import journal
+from ft_train.worker.journal import Journal, run_key
+from ft_train.worker.session import RankSpec, Session
+
+RANKS_PER_HOST = 8  # the simulated workers' hosts: node_rank, local_rank, journal reads
+
+
+@dataclass
+class Script:
+    """What every rank of a group does: `rounds` is one letter per report, "m" (metrics only) or
+    "c" (with a checkpoint of one `file_bytes` file per rank); `die` = (rank, round): that rank's
+    process dies before it reports that round (0-based), silently."""
+
+    rounds: str
+    file_bytes: int = 1024
+    die: tuple[int, int] | None = None
+
+
+@dataclass
+class Timings:
+    """What the ranks record (time.monotonic), by report index."""
+
+    started: dict[int, float] = field(default_factory=dict)  # first rank past the step
+    sent: dict[int, float] = field(default_factory=dict)  # last rank's report() returned
+    died: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    committed: dict[int, threading.Event] = field(default_factory=dict)
+
+    def commit_of(self, index: int) -> threading.Event:
+        with self.lock:
+            return self.committed.setdefault(index, threading.Event())
+
+    def mark(self, index: int, began: float, ended: float) -> None:
+        with self.lock:
+            self.started[index] = min(self.started.get(index, began), began)
+            self.sent[index] = max(self.sent.get(index, ended), ended)
+
+
+class Wire:
+    """The Dask transport, simulated: one receiver thread (the driver's client thread) runs
+    every handler, in arrival order."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[tuple[Callable[[Any], None], bytes] | None] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._receive, name="sim-dask-client", daemon=True)
+        self.thread.start()
+
+    def send(self, handler: Callable[[Any], None], payload: Any) -> None:
+        """On the sender's thread: serialise, as a worker does before the scheduler sees it."""
+        self.inbox.put((handler, msgpack.packb(payload)))
+
+    def _receive(self) -> None:
+        while (item := self.inbox.get()) is not None:
+            handler, raw = item
+            handler(msgpack.unpackb(raw))
+
+    def cpu_s(self) -> float:
+        """The receiver thread's CPU time so far."""
+        assert self.thread.ident is not None
+        return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(5)
+
+
+class _Died(BaseException):
+    """The rank's process died: it says nothing more."""
+
+
+class SimCluster:
+    """`controller.ports.Cluster` over simulated workers, `RANKS_PER_HOST` to a host."""
+
+    def __init__(self, workers: int, script: Script, local_root: str):
+        self.workers = [
+            f"tcp://10.0.{i // RANKS_PER_HOST}.{i % RANKS_PER_HOST}:1" for i in range(workers)
+        ]
+        self.gone: set[str] = set()
+        self.script, self.local_root = script, local_root
+        self.wire = Wire()
+        self.timings = Timings()
+        self.groups: list[SimGroup] = []
+
+    def new_group(self, attempt: int, events: queue.Queue[GroupEvent], run_uri: str) -> SimGroup:
+        self.groups.append(SimGroup(self, attempt, events, run_uri))
+        return self.groups[-1]
+
+    def alive(self) -> set[str]:
+        return set(self.workers) - self.gone
+
+    def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
+        return False
+
+    def watch_preemption(self, grace_s: float) -> None:
+        pass
+
+    def warm(self, modules: tuple[str, ...]) -> None:
+        pass
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.stop()
+        self.wire.close()
+
+
+class SimGroup(WorkerGroup):
+    """A `WorkerGroup` whose ranks are threads: its Dask calls are replaced, its event handling
+    is the real one."""
+
+    def __init__(
+        self, cluster: SimCluster, attempt: int, events: queue.Queue[GroupEvent], run_uri: str
+    ):
+        super().__init__(None, attempt, events, run_uri)  # type: ignore[arg-type]  # no Dask
+        self.cluster = cluster
+        self.threads: list[threading.Thread] = []
+        self.dead: set[int] = set()
+        self.step = threading.Barrier(1)
+
+    def start(
+        self,
+        plan: GroupPlan,
+        checkpoint_dir: str | None,
+        start_report_index: int,
+        exclude: set[str],
+    ) -> None:
+        usable = [
+            w for w in self.cluster.workers if w not in exclude and w not in self.cluster.gone
+        ]
+        self.addresses = usable[: plan.max_workers]
+        self.hosts = {a: a.split("://")[1].rsplit(".", 1)[0] for a in self.addresses}
+        self.nannies = dict.fromkeys(self.addresses)
+        self.step = threading.Barrier(len(self.addresses))
+        for rank in range(len(self.addresses)):
+            spec = self._spec(plan, rank, ("127.0.0.1", 0), checkpoint_dir, start_report_index)
+            thread = threading.Thread(target=self._rank, args=(spec,), name=f"rank-{rank}")
+            self.threads.append(thread)
+        for thread in self.threads:
+            thread.start()
+
+    # -- a rank ---------------------------------------------------------------------------------
+
+    def _rank(self, spec: RankSpec) -> None:
+        """What `ft_train.worker.rank.run_rank` does, with a barrier for torch."""
+        rank, wire = spec.rank, self.cluster.wire
+
+        def send(msg: Message) -> None:
+            wire.send(self._on_reports, ("ts", [msg.wire()]))
+
+        jrnl = Journal(run_key(self.storage_uri), spec.attempt_id, rank)
+        session = Session(spec, send, jrnl)
+        ended: RankEnded | None = None
+        try:
+            jrnl.joined(spec.start_report_index)
+            send(Started(rank))
+            self._loop(spec, session)
+            ended = RankEnded(
+                self.attempt, rank, summary={"rank": rank, "reports": session.report_index}
+            )
+        except _Died:
+            self.dead.add(rank)
+            self.cluster.timings.died.set()
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            failure = RankFailure(rank, session.report_index, error, traceback.format_exc(limit=-5))
+            ended = RankEnded(self.attempt, rank, error=failure)
+        finally:
+            session.close()
+            jrnl.close()
+        if ended is not None:  # the task's future ends: its callback runs on the client thread
+            wire.inbox.put((lambda _, e=ended: self.events.put(e), msgpack.packb(None)))
+
+    def _loop(self, spec: RankSpec, session: Session) -> None:
+        script, timings = self.cluster.script, self.cluster.timings
+        local = os.path.join(self.cluster.local_root, f"a{self.attempt}-r{spec.rank}")
+        os.makedirs(local, exist_ok=True)
+        for i, kind in enumerate(script.rounds):
+            if script.die == (spec.rank, i) or spec.rank in self.dead:
+                raise _Died()
+            try:
+                self.step.wait()  # the step's all-reduce
+            except threading.BrokenBarrierError:
+                if spec.rank in self.dead:  # killed by the driver
+                    raise _Died() from None
+                raise ConnectionError("Connection closed by peer") from None
+            began = time.monotonic()
+            index = session.report_index + 1
+            metrics = {"loss": 1.0 / index, "step": index}
+            if kind == "c":
+                with open(os.path.join(local, f"rank{spec.rank}.pt"), "wb") as f:
+                    f.write(os.urandom(script.file_bytes))
+                session.report(metrics, checkpoint=Checkpoint.from_directory(local))
+                timings.mark(index, began, time.monotonic())
+                # The driver is a process of its own in a run: while it commits, these threads
+                # must not hold the GIL it needs (they would time this machine's scheduler).
+                self._wait_for(timings.commit_of(index))
+            else:
+                session.report(metrics)
+                timings.mark(index, began, time.monotonic())
+
+    def _wait_for(self, committed: threading.Event) -> None:
+        while not committed.wait(0.05):
+            if self.stopped:
+                return
+
+    # -- the scheduler --------------------------------------------------------------------------
+
+    def lose(self, rank: int) -> None:
+        """The scheduler removed rank `rank`'s worker: its `remove-worker` event, as Dask sends it."""
+        address = self.addresses[rank]
+        self.cluster.gone.add(address)
+        event = {"action": "remove-worker", "worker": address, "expected": False}
+        self.cluster.wire.send(self._on_scheduler_event, ("ts", event))
+
+    # -- the Group protocol, without Dask -------------------------------------------------------
+
+    def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
+        if self.stopped:
+            return set()
+        self.stopped = True
+        killed = set(kill_first)
+        self.dead |= {self.addresses.index(a) for a in killed if a in self.addresses}
+        self.step.abort()  # gloo: the surviving ranks see their peers' connections close
+        deadline = time.monotonic() + grace_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = {a for a, t in zip(self.addresses, self.threads, strict=True) if t.is_alive()}
+        return stuck | killed | (set(self.addresses) - self.cluster.alive())
+
+    def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
+        """What each node's nanny returns (`journal.collect`); the ranks of one host, all the
+        hosts here, are on one machine, so one call reads them all."""
+        found = journal.collect(run_key(self.storage_uri), self.attempt_id)
+        skipped = {self.addresses.index(a) for a in skip if a in self.addresses}
+        return {r: j for r, j in found.items() if r not in skipped}
+
+    def request_stop(self) -> None:
+        raise NotImplementedError("the benchmark never resizes")
+
+    def give_notice(self, address: str, deadline: float) -> None:
+        raise NotImplementedError("the benchmark never preempts")
+
+    def release(self) -> None:
+        for thread in self.threads:
+            thread.join(5)
+
+    def lost_kind(self, address: str) -> str:
+        return "process_death"  # its nanny answers: the journal of its node is there
