@@ -289,6 +289,22 @@ def test_a_rank_silent_past_the_watchdog_is_hung(make):
     assert (failure.kind, failure.rank, failure.step) == ("hang", 1, 1)
 
 
+def test_the_watchdog_counts_from_the_rank_heard_from_least_recently(make):
+    """Not from the rank heard from first: the controller keeps its ranks in the order heard
+    (`Attempt.heard`), so that it need not look at every rank at every event."""
+    ctl, _, _ = make(max_failures=1, hang_timeout_s=1.0)
+    group = started(ctl).joined(0, 1)
+    go(ctl, 2)
+    time.sleep(0.7)
+    group.report(1, ranks=[0])  # rank 0, heard from first, is heard from again
+    go(ctl)
+    began = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="hang"):
+        ctl.run_segment()
+    assert ctl.state.failures[-1].rank == 1
+    assert time.monotonic() - began < 0.65  # rank 1's 1 s ran out ~0.3 s after rank 0's report
+
+
 def test_the_budget_spent_ends_the_run_naming_the_setting(make):
     ctl, _, rec = make(max_failures=1)
     started(ctl).raised(0, "boom", step=1)

@@ -72,7 +72,7 @@ def _on_event(ctl: Controller, s: GroupState, event: GroupEvent) -> State:
     if event.attempt != att.group.attempt:
         return s  # a late event from a group already stopped
     if isinstance(event, Reported):
-        att.progress[event.message.rank] = time.monotonic()
+        att.heard(event.message.rank)
         if isinstance(event.message, Report):
             att.rounds.add(event.message)
         elif isinstance(event.message, Started) and len(att.progress) == len(att.group.addresses):
@@ -231,10 +231,9 @@ def _judge_suspect(ctl: Controller, s: GroupState, suspect: Suspect) -> State:
 def _watchdog_remaining(ctl: Controller, att: Attempt) -> float | None:
     """Seconds until the slowest running rank counts as hung; None without a watchdog."""
     timeout = ctl.failure_config.hang_timeout_s
-    waiting = [t for r, t in att.progress.items() if r not in att.done]
-    if timeout is None or not waiting:
+    if timeout is None or (oldest := att.least_recently_heard()) is None:
         return None
-    return max(0.0, min(waiting) + timeout - time.monotonic())
+    return max(0.0, oldest + timeout - time.monotonic())
 
 
 def _hung(ctl: Controller, s: GroupState) -> State:

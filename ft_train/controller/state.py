@@ -13,6 +13,7 @@ Running, Resizing, Preempting and Draining share the running group's `Attempt`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ..errors import FtTrainError, RankFailure
@@ -37,8 +38,20 @@ class Attempt:
     group: Group
     rounds: ReportRounds
     done: dict[int, dict] = field(default_factory=dict)  # rank -> its task's summary
-    progress: dict[int, float] = field(default_factory=dict)  # rank -> last heard (monotonic)
+    # rank -> last heard (monotonic), in the order heard: `heard` moves a rank to the end
+    progress: dict[int, float] = field(default_factory=dict)
     suspect: Suspect | None = None
+
+    def heard(self, rank: int) -> None:
+        """A message from `rank` now. Re-inserted, so that the running rank heard from least
+        recently is the first of `progress` not `done`: the watchdog finds it without a look at
+        every rank at every event (which cost a 1 024-rank driver ~0.1 s of CPU a round)."""
+        self.progress.pop(rank, None)
+        self.progress[rank] = time.monotonic()
+
+    def least_recently_heard(self) -> float | None:
+        """When the running rank heard from least recently was last heard; None if none runs."""
+        return next((t for r, t in self.progress.items() if r not in self.done), None)
 
 
 @dataclass
