@@ -11,16 +11,19 @@ What is simulated:
 - a rank is a thread (1 024 of them fit a 2-core machine; asyncio tasks would serialise the
   blocking upload, and a Dask worker per rank does not fit); its training step is a
   `threading.Barrier` across the group (the step's all-reduce). No agreement (the control gloo
-  group) runs, so `report()` skips it, and the journals are not trimmed;
+  group) runs, so `report()` skips it; each rank trims its journal at every step instead, as
+  an agreement lets it;
 - the Dask transport: each message a rank sends is one event (no `REPORT_BATCH_S` batching, the
   worst case for the driver), msgpack'd on the rank's thread and unpacked on one receiver thread,
   the driver's Dask client thread; its handling is charged to the driver;
 - the scheduler: `lose()` hands the group the `remove-worker` event the scheduler would send
   once it notices a worker gone (that notice itself, a closed connection or `worker-ttl`, is
   not simulated);
-- the ranks' pace: after a checkpoint round a rank waits until the driver has committed it
-  (`Timings.commit_of`), so that the driver's commit is timed while no rank thread competes with
-  it for the GIL, as no rank process does in a run;
+- the ranks' pace: a round's reports are held (`Wire`) until every rank has reported it, then
+  handed to the driver at once, and the ranks wait until the driver has handled them (and
+  committed the round's checkpoint): the driver's work is timed while no rank thread competes
+  with it for the GIL, as no rank process does in a run. A burst of a whole round's reports is
+  also the worst case for the commit's latency;
 - gloo: when the group is stopped, the surviving ranks' barrier breaks, as the collectives of a
   group whose peer is gone do, and the ranks end with "Connection closed by peer".
 """
@@ -65,8 +68,8 @@ class Script:
 class Timings:
     """What the ranks record (time.monotonic), by report index."""
 
-    started: dict[int, float] = field(default_factory=dict)  # first rank past the step
-    sent: dict[int, float] = field(default_factory=dict)  # last rank's report() returned
+    started: dict[int, float] = field(default_factory=dict)  # the round's step ended
+    sent: dict[int, float] = field(default_factory=dict)  # its reports handed to the driver
     died: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     committed: dict[int, threading.Event] = field(default_factory=dict)
@@ -75,31 +78,49 @@ class Timings:
         with self.lock:
             return self.committed.setdefault(index, threading.Event())
 
-    def mark(self, index: int, began: float, ended: float) -> None:
-        with self.lock:
-            self.started[index] = min(self.started.get(index, began), began)
-            self.sent[index] = max(self.sent.get(index, ended), ended)
+
+_Item = tuple[Callable[[Any], None], bytes]
 
 
 class Wire:
     """The Dask transport, simulated: one receiver thread (the driver's client thread) runs
-    every handler, in arrival order."""
+    every handler, in arrival order. What the ranks send is held until `release()`: a round's
+    reports reach the driver at once, while no rank thread runs."""
 
     def __init__(self) -> None:
-        self.inbox: queue.SimpleQueue[tuple[Callable[[Any], None], bytes] | None] = (
-            queue.SimpleQueue()
-        )
+        self.inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self.held: list[_Item] = []
+        self.pending = 0  # released, not yet handled
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._receive, name="sim-dask-client", daemon=True)
         self.thread.start()
 
-    def send(self, handler: Callable[[Any], None], payload: Any) -> None:
+    def send(self, handler: Callable[[Any], None], payload: Any, hold: bool = True) -> None:
         """On the sender's thread: serialise, as a worker does before the scheduler sees it."""
-        self.inbox.put((handler, msgpack.packb(payload)))
+        item = (handler, msgpack.packb(payload))
+        with self.lock:
+            self.pending += not hold
+            if hold:
+                self.held.append(item)
+            else:
+                self.inbox.put(item)
+
+    def release(self) -> None:
+        with self.lock:
+            held, self.held = self.held, []
+            self.pending += len(held)
+            for item in held:
+                self.inbox.put(item)
+
+    def drained(self) -> bool:
+        return self.pending == 0
 
     def _receive(self) -> None:
         while (item := self.inbox.get()) is not None:
             handler, raw = item
             handler(msgpack.unpackb(raw))
+            with self.lock:
+                self.pending -= 1
 
     def cpu_s(self) -> float:
         """The receiver thread's CPU time so far."""
@@ -161,7 +182,8 @@ class SimGroup(WorkerGroup):
         self.cluster = cluster
         self.threads: list[threading.Thread] = []
         self.dead: set[int] = set()
-        self.step = threading.Barrier(1)
+        self.step = self.end = threading.Barrier(1)
+        self.round: tuple[int, str] = (0, "m")  # the round ending (every rank sets the same)
 
     def start(
         self,
@@ -177,6 +199,7 @@ class SimGroup(WorkerGroup):
         self.hosts = {a: a.split("://")[1].rsplit(".", 1)[0] for a in self.addresses}
         self.nannies = dict.fromkeys(self.addresses)
         self.step = threading.Barrier(len(self.addresses))
+        self.end = threading.Barrier(len(self.addresses), action=self._round_end)
         for rank in range(len(self.addresses)):
             spec = self._spec(plan, rank, ("127.0.0.1", 0), checkpoint_dir, start_report_index)
             thread = threading.Thread(target=self._rank, args=(spec,), name=f"rank-{rank}")
@@ -199,7 +222,7 @@ class SimGroup(WorkerGroup):
         try:
             jrnl.joined(spec.start_report_index)
             send(Started(rank))
-            self._loop(spec, session)
+            self._loop(spec, session, jrnl)
             ended = RankEnded(
                 self.attempt, rank, summary={"rank": rank, "reports": session.report_index}
             )
@@ -214,40 +237,56 @@ class SimGroup(WorkerGroup):
             session.close()
             jrnl.close()
         if ended is not None:  # the task's future ends: its callback runs on the client thread
-            wire.inbox.put((lambda _, e=ended: self.events.put(e), msgpack.packb(None)))
+            wire.send(lambda _, e=ended: self.events.put(e), None, hold=False)
 
-    def _loop(self, spec: RankSpec, session: Session) -> None:
+    def _loop(self, spec: RankSpec, session: Session, jrnl: Journal) -> None:
         script, timings = self.cluster.script, self.cluster.timings
         local = os.path.join(self.cluster.local_root, f"a{self.attempt}-r{spec.rank}")
         os.makedirs(local, exist_ok=True)
         for i, kind in enumerate(script.rounds):
             if script.die == (spec.rank, i) or spec.rank in self.dead:
                 raise _Died()
-            try:
-                self.step.wait()  # the step's all-reduce
-            except threading.BrokenBarrierError:
-                if spec.rank in self.dead:  # killed by the driver
-                    raise _Died() from None
-                raise ConnectionError("Connection closed by peer") from None
-            began = time.monotonic()
+            self._collective(self.step, spec.rank)  # the step's all-reduce
+            # Every rank reached the last report: what the ranks' agreement tells them every few
+            # reports in a run (`Session._read_agreement`), which keeps their journals short.
+            jrnl.all_reached(session.report_index)
             index = session.report_index + 1
+            if spec.rank == 0:
+                self.round = (index, kind)
+                timings.started[index] = time.monotonic()
             metrics = {"loss": 1.0 / index, "step": index}
             if kind == "c":
                 with open(os.path.join(local, f"rank{spec.rank}.pt"), "wb") as f:
                     f.write(os.urandom(script.file_bytes))
                 session.report(metrics, checkpoint=Checkpoint.from_directory(local))
-                timings.mark(index, began, time.monotonic())
-                # The driver is a process of its own in a run: while it commits, these threads
-                # must not hold the GIL it needs (they would time this machine's scheduler).
-                self._wait_for(timings.commit_of(index))
             else:
                 session.report(metrics)
-                timings.mark(index, began, time.monotonic())
+            self._collective(self.end, spec.rank)
 
-    def _wait_for(self, committed: threading.Event) -> None:
-        while not committed.wait(0.05):
+    def _collective(self, barrier: threading.Barrier, rank: int) -> None:
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            if rank in self.dead:  # killed by the driver
+                raise _Died() from None
+            raise ConnectionError("Connection closed by peer") from None
+
+    def _round_end(self) -> None:
+        """Every rank has reported the round (on the last one's thread, the others waiting):
+        hand its reports to the driver, and wait until it has handled them (and committed the
+        round's checkpoint). The driver is a process of its own in a run: while it works, these
+        threads must not hold the GIL it needs, or they would time this machine's scheduler."""
+        index, kind = self.round
+        wire, timings = self.cluster.wire, self.cluster.timings
+        timings.sent[index] = time.monotonic()
+        wire.release()
+        committed = timings.commit_of(index)
+        while not (wire.drained() and self.events.empty()) or (
+            kind == "c" and not committed.is_set()
+        ):
             if self.stopped:
                 return
+            time.sleep(0.0005)
 
     # -- the scheduler --------------------------------------------------------------------------
 
@@ -256,7 +295,7 @@ class SimGroup(WorkerGroup):
         address = self.addresses[rank]
         self.cluster.gone.add(address)
         event = {"action": "remove-worker", "worker": address, "expected": False}
-        self.cluster.wire.send(self._on_scheduler_event, ("ts", event))
+        self.cluster.wire.send(self._on_scheduler_event, ("ts", event), hold=False)
 
     # -- the Group protocol, without Dask -------------------------------------------------------
 
@@ -267,6 +306,7 @@ class SimGroup(WorkerGroup):
         killed = set(kill_first)
         self.dead |= {self.addresses.index(a) for a in killed if a in self.addresses}
         self.step.abort()  # gloo: the surviving ranks see their peers' connections close
+        self.end.abort()
         deadline = time.monotonic() + grace_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
