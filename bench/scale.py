@@ -281,10 +281,14 @@ def per_rank_ratio(a: Figures, b: Figures, attr: str) -> float | None:
     return (cb / b.ranks) / (ca / a.ranks)
 
 
-def verdicts(results: list[Figures]) -> list[tuple[str, bool, str]]:
-    """(target, met, why), one per row and one for the 1 024-rank commit."""
+def verdicts(
+    results: list[Figures], rows: tuple[tuple[str, str, float, str], ...] = ROWS
+) -> list[tuple[str, bool, str]]:
+    """(target, met, why), one per row measured and one for the 1 024-rank commit."""
     out = []
-    for label, attr, _, _ in ROWS:
+    for label, attr, _, _ in rows:
+        if not any(getattr(f, attr) for f in results):
+            continue  # not measured (--checkpoints 0)
         ratios = [per_rank_ratio(a, b, attr) for a, b in zip(results, results[1:])]
         worst = max((r for r in ratios if r is not None), default=None)
         met = worst is None or worst <= LINEAR_SLACK
@@ -321,7 +325,8 @@ def table(results: list[Figures], s3: list[Figures] = ()) -> str:  # type: ignor
             ratios = [_fmt(per_rank_ratio(a, b, attr)) for a, b in zip(s3, s3[1:])]
             lines.append(f"| {label} | " + " | ".join(values + ratios) + " |")
     lines.append("")
-    for target, met, why in verdicts(results) + (verdicts(s3)[:2] if s3 else []):
+    s3_verdicts = verdicts(s3, (("commit, S3 (s)", "commit_s", 1.0, "s"),)) if s3 else []
+    for target, met, why in verdicts(results) + s3_verdicts:
         lines.append(f"- {'MET' if met else 'MISSED'}: {target} ({why})")
     return "\n".join(lines)
 
