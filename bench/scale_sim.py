@@ -184,6 +184,7 @@ class SimGroup(WorkerGroup):
         self.dead: set[int] = set()
         self.step = self.end = threading.Barrier(1)
         self.round: tuple[int, str] = (0, "m")  # the round ending (every rank sets the same)
+        self.stop_s = self.journals_s = 0.0  # how long stop() and read_journals() took
 
     def start(
         self,
@@ -303,6 +304,7 @@ class SimGroup(WorkerGroup):
         if self.stopped:
             return set()
         self.stopped = True
+        began = time.monotonic()
         killed = set(kill_first)
         self.dead |= {self.addresses.index(a) for a in killed if a in self.addresses}
         self.step.abort()  # gloo: the surviving ranks see their peers' connections close
@@ -311,13 +313,16 @@ class SimGroup(WorkerGroup):
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         stuck = {a for a, t in zip(self.addresses, self.threads, strict=True) if t.is_alive()}
+        self.stop_s = time.monotonic() - began
         return stuck | killed | (set(self.addresses) - self.cluster.alive())
 
     def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
         """What each node's nanny returns (`journal.collect`); the ranks of one host, all the
         hosts here, are on one machine, so one call reads them all."""
+        began = time.monotonic()
         found = journal.collect(run_key(self.storage_uri), self.attempt_id)
         skipped = {self.addresses.index(a) for a in skip if a in self.addresses}
+        self.journals_s += time.monotonic() - began
         return {r: j for r, j in found.items() if r not in skipped}
 
     def request_stop(self) -> None:
