@@ -6,13 +6,15 @@ checkpoint manager. Per rank count it measures:
 
 - commit: from the round's reports reaching the driver (every rank's file uploaded, the
   reports handed over at once) to the run state referencing the checkpoint
-  (`Callback.on_checkpoint_committed`), one file per rank; the median of `--commits` rounds.
+  (`Callback.on_checkpoint_committed`), one file per rank; the best of `--commits` rounds
+  (what is above it is this machine's load, chiefly the two fsyncs).
   "round" is from the round's start (its step done) to the same point: the ranks' uploads, all
   on this machine's 2 cores, included;
 - teardown: from the scheduler's `remove-worker` event for one rank (the others waiting for it
   in their step) to `run_segment` raising (group stopped, journals read, failure recorded);
 - driver CPU: CPU time of the driver's threads (the controller's, and the Dask client's that
-  unpacks the events), per round, metrics-only and with a checkpoint;
+  unpacks the events), per round, metrics-only and with a checkpoint: read at the end of each
+  round, once the driver has handled it; the median over the rounds;
 - the run state after `--checkpoints` commits (`num_to_keep=None`: all kept, the worst case),
   made as a run makes them (`CheckpointManager.commit`, a manifest of one file per rank): the
   head's size and the sealed index's, and the time to load each. Written to /dev/shm (fsync
@@ -113,11 +115,6 @@ def _controller(ranks: int, storage: Storage, cluster: SimCluster, stamps: _Stam
     )
 
 
-def _cpu(cluster: SimCluster) -> float:
-    """CPU time of the driver's threads: this one (the controller's) and the client's."""
-    return time.thread_time() + cluster.wire.cpu_s()
-
-
 def run_group(ranks: int, storage: Storage, metrics_rounds: int, commits: int) -> Figures:
     """One group of `ranks`: a first checkpoint (the warm-up), `metrics_rounds` metrics-only
     rounds and a checkpoint, `commits` checkpoint rounds, then one rank dies."""
@@ -129,20 +126,20 @@ def run_group(ranks: int, storage: Storage, metrics_rounds: int, commits: int) -
     ctl = _controller(ranks, storage, cluster, stamps)
     figures = Figures(ranks)
     try:
-        ctl.run_segment()  # the group's start and its first commit
-        cpu0 = _cpu(cluster)
-        ctl.run_segment()
-        cpu_mixed = _cpu(cluster) - cpu0
-        cpu_commits = []
-        for _ in range(commits):
-            before = _cpu(cluster)
-            ctl.run_segment()
-            cpu_commits.append(_cpu(cluster) - before)
-        figures.cpu_checkpoint_s = statistics.median(cpu_commits)
-        figures.cpu_metrics_s = max(0.0, cpu_mixed - figures.cpu_checkpoint_s) / metrics_rounds
-        timed = [i for i in sorted(stamps.committed) if i > metrics_rounds + 2]
+        for _ in range(2 + commits):  # the group's start and a commit, the metrics rounds and
+            ctl.run_segment()  # a commit, then the timed commits
         t = cluster.timings
-        figures.commit_s = statistics.median(stamps.committed[i] - t.sent[i] for i in timed)
+        last = metrics_rounds + 2 + commits
+        while last not in t.driver_cpu:  # its round's end, once run_segment has returned
+            time.sleep(0.001)
+
+        def cpu(i: int) -> float:  # the driver's, for round i (from the end of round i - 1)
+            return t.driver_cpu[i] - t.driver_cpu[i - 1]
+
+        figures.cpu_metrics_s = statistics.median(cpu(i) for i in range(2, metrics_rounds + 2))
+        timed = range(metrics_rounds + 3, metrics_rounds + 3 + commits)
+        figures.cpu_checkpoint_s = statistics.median(cpu(i) for i in timed)
+        figures.commit_s = min(stamps.committed[i] - t.sent[i] for i in timed)
         figures.round_s = statistics.median(stamps.committed[i] - t.started[i] for i in timed)
         figures.teardown_s = _teardown(ctl, cluster, ranks)
         group = cluster.groups[-1]
@@ -359,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.scale", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="rank counts")
-    parser.add_argument("--commits", type=int, default=5, help="checkpoint rounds timed")
+    parser.add_argument("--commits", type=int, default=7, help="checkpoint rounds timed")
     parser.add_argument("--metrics-rounds", type=int, default=0, help="0: max(40, 8192/ranks)")
     parser.add_argument("--checkpoints", type=int, default=10_000, help="for the run state")
     parser.add_argument("--s3", action="store_true", help="also commit to S3 (moto on loopback)")

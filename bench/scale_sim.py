@@ -73,6 +73,7 @@ class Timings:
     died: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     committed: dict[int, threading.Event] = field(default_factory=dict)
+    driver_cpu: dict[int, float] = field(default_factory=dict)  # the driver's, once it is done
 
     def commit_of(self, index: int) -> threading.Event:
         with self.lock:
@@ -122,10 +123,13 @@ class Wire:
             with self.lock:
                 self.pending -= 1
 
-    def cpu_s(self) -> float:
-        """The receiver thread's CPU time so far."""
+    def driver_cpu_s(self, controller: int) -> float:
+        """CPU time so far of the driver's threads: the receiver and `controller` (an ident)."""
         assert self.thread.ident is not None
-        return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+        return sum(
+            time.clock_gettime(time.pthread_getcpuclockid(t))
+            for t in (self.thread.ident, controller)
+        )
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -148,6 +152,7 @@ class SimCluster:
         self.wire = Wire()
         self.timings = Timings()
         self.groups: list[SimGroup] = []
+        self.controller = threading.get_ident()  # the thread that steps the controller
 
     def new_group(self, attempt: int, events: queue.Queue[GroupEvent], run_uri: str) -> SimGroup:
         self.groups.append(SimGroup(self, attempt, events, run_uri))
@@ -282,12 +287,15 @@ class SimGroup(WorkerGroup):
         timings.sent[index] = time.monotonic()
         wire.release()
         committed = timings.commit_of(index)
-        while not (wire.drained() and self.events.empty()) or (
-            kind == "c" and not committed.is_set()
-        ):
+        # Woken by the commit, else polled seldom: each wake-up takes the GIL from the driver.
+        while kind == "c" and not committed.wait(0.05):
             if self.stopped:
                 return
-            time.sleep(0.0005)
+        while not (wire.drained() and self.events.empty()):
+            if self.stopped:
+                return
+            time.sleep(0.005)
+        timings.driver_cpu[index] = wire.driver_cpu_s(self.cluster.controller)
 
     # -- the scheduler --------------------------------------------------------------------------
 
