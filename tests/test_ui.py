@@ -23,8 +23,11 @@ from prefect.client.schemas.filters import (
 
 import ft_train
 from ft_train import knobs
-from ft_train.storage.metric_history import MAX_POINTS, MAX_SERIES, MetricHistory
-from ft_train.storage.run_state import FailureRecord, RunState
+from ft_train.controller.history import HistoryRecorder
+from ft_train.errors import RunLockedError
+from ft_train.storage.fs import Storage
+from ft_train.storage.metric_history import MAX_POINTS, MAX_SERIES, MetricHistory, load_history
+from ft_train.storage.run_state import FailureRecord, RunState, RunStore
 from tasks import plot
 from tasks.live import failure_rows, progress
 from tasks.publish import artifact_key
@@ -57,6 +60,24 @@ def test_a_restart_drops_the_rounds_trained_again_and_is_marked():
     assert history.restarts == [5]
     svg = plot.svg(history)
     assert "stroke-dasharray" in svg and ">loss<" in svg
+
+
+def test_the_history_is_written_beside_the_run_state_only_by_the_lease_holder(tmp_path):
+    store = RunStore(Storage(str(tmp_path)), "r")
+    recorder = HistoryRecorder(store, MetricHistory())
+    recorder.on_report(1, {"loss": 0.5})
+    recorder.on_run_end(RunState(name="r"))
+    assert load_history(store.storage, "r").points[0]["loss"] == 0.5
+
+    class Lost:
+        def check(self):
+            raise RunLockedError("another driver holds run 'r'")
+
+    store.lease = Lost()
+    recorder.on_report(2, {"loss": 0.25})
+    with pytest.raises(RunLockedError):
+        recorder.on_run_end(RunState(name="r"))
+    assert len(load_history(store.storage, "r").points) == 1, "the new driver's history kept"
 
 
 def test_progress_comes_from_total_steps_then_epochs_else_says_the_total_is_unknown():
