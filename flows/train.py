@@ -26,6 +26,7 @@ from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from ft_train.worker.rank import load_train_loop
 from tasks import finalize, prepare_run, provision_workers, train_segment
+from tasks.live import LiveView
 from tasks.publish import RunEvents
 
 
@@ -51,11 +52,11 @@ def train_fn(
     plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
     if plan.finished:
         return finalize(plan)
-    events = RunEvents(plan)
+    events, view = RunEvents(plan), LiveView(plan)
     with contextlib.ExitStack() as stack:
         stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
-        controller = make_controller(plan, client, warm=cluster.preload, callbacks=[events])
+        controller = make_controller(plan, client, warm=cluster.preload, callbacks=[events, view])
         try:
             segment, kind = 0, "checkpoint"
             while kind != "finished":
@@ -67,11 +68,11 @@ def train_fn(
             why = interrupt_or(e)
             controller.abort(why)  # stop the ranks; record why (Ctrl+C is not charged)
             if plan.state.status == "failed":
-                finalize(plan)
+                finalize(plan, view)
             if why is e:
                 raise
             raise why from None  # the Ctrl+C itself, not the error Prefect raised in its place
-    return finalize(plan)
+    return finalize(plan, view)
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:

@@ -11,6 +11,7 @@ from .errors import StorageError, TrainingFailedError
 from .storage.checkpoint import Checkpoint
 from .storage.checkpoint_manager import score
 from .storage.fs import Storage
+from .storage.metric_history import Point, load_history
 from .storage.run_state import FailureRecord, RunState, RunStore
 
 
@@ -23,6 +24,20 @@ class TrainResult:
     error: TrainingFailedError | None
     failures: list[FailureRecord] = field(default_factory=list)
     status: str = "running"
+    # The reported numeric metrics by step, at a bounded size (`storage.metric_history`).
+    metrics_history: list[Point] = field(default_factory=list)
+
+    @property
+    def metrics_dataframe(self) -> Any:
+        """`metrics_history` as a pandas DataFrame (Ray's name); pandas is not a dependency."""
+        try:
+            import pandas  # type: ignore[import-untyped]
+        except ImportError:
+            raise ImportError(
+                "TrainResult.metrics_dataframe needs pandas (pip install pandas); "
+                "TrainResult.metrics_history holds the same rows as dicts"
+            ) from None
+        return pandas.DataFrame(self.metrics_history)
 
     @classmethod
     def from_state(
@@ -40,6 +55,10 @@ class TrainResult:
             error = TrainingFailedError(
                 state.error or "failed", [f.model_dump(mode="json") for f in state.failures]
             )
+        try:
+            history = load_history(storage, state.name).rows()
+        except StorageError:  # it only informs; the driver that reads it reports the damage
+            history = []
         return cls(
             metrics=state.metrics,
             checkpoint=ckpt(latest.dir_name) if latest else None,
@@ -48,6 +67,7 @@ class TrainResult:
             error=error,
             failures=list(state.failures),
             status=state.status,
+            metrics_history=history,
         )
 
     @classmethod

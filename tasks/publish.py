@@ -10,16 +10,16 @@ on a failure, a run that starts when another finishes.
     ft-train.run.failed             (and error, for a failed one)
 
 Artifacts, at the end of a flow run that finished or failed (not one interrupted): a table of
-the run's checkpoints with their metrics (the newest `MAX_ROWS`), a table of its failures, and a
-summary. Their keys name the run, so the Artifacts page keeps each run's history across the flow
-runs that trained it (a rerun after a driver crash adds a version).
+the run's checkpoints with their metrics (the newest `MAX_ROWS`) and a summary. Those kept
+current while the run trains (progress, metric history and plot, failures) are
+`tasks/live.py`'s. Their keys name the run, so the Artifacts page keeps each run's history
+across the flow runs that trained it (a rerun after a driver crash adds a version).
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
-import re
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -27,17 +27,14 @@ from prefect.events import emit_event
 
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
+from ft_train.errors import StorageError
+from ft_train.storage.metric_history import load_history
 from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
 
+from .keys import artifact_key
+from .live import LiveView
+
 MAX_ROWS = 200  # checkpoints in the table; all of them are in `ft-train status` and the result
-
-
-def artifact_key(name: str, what: str) -> str:
-    """A key Prefect accepts (lowercase letters, digits, dashes) that names run `name`: its
-    name made to fit, and a hash of it, so that runs whose names differ in case or punctuation
-    keep apart."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60] or "run"
-    return f"ft-train-{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}-{what}"
 
 
 class RunEvents(Callback):
@@ -79,8 +76,15 @@ class RunEvents(Callback):
         self._emit(f"run.{state.status}", payload)
 
 
-def publish_artifacts(plan: RunPlan) -> None:
-    """The run's checkpoint and failure tables, and its summary, as artifacts of this flow run."""
+def publish_artifacts(plan: RunPlan, view: LiveView | None = None) -> None:
+    """The run's checkpoint table and summary, and the live view's artifacts brought up to date
+    (`view`, which kept them while the run trained; a new one for a run that did not train
+    here), as artifacts of this flow run."""
+    if view is None:
+        with contextlib.suppress(StorageError):  # a damaged history shows empty; a driver says so
+            plan.history = load_history(plan.storage, plan.run_config.name)
+        view = LiveView(plan)
+    view.final()
     state = plan.state
     name = state.name
     entries = RunStore(plan.storage, name).all_checkpoints(state)
@@ -99,21 +103,6 @@ def publish_artifacts(plan: RunPlan) -> None:
         rows,
         key=artifact_key(name, "checkpoints"),
         description=f"Checkpoints of run {name!r}{shown}",
-    )
-    failures = [
-        {
-            "kind": f.kind,
-            "rank": f.rank,
-            "step": f.step,
-            "attempt": f.attempt,
-            "charged": f.charged,
-            "time": f"{f.time:%Y-%m-%d %H:%M:%S} UTC",
-            "error": f.error,
-        }
-        for f in state.failures
-    ]
-    create_table_artifact(
-        failures, key=artifact_key(name, "failures"), description=f"Failures of run {name!r}"
     )
     create_markdown_artifact(
         _summary(plan, state, len(entries)),

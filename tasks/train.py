@@ -24,6 +24,7 @@ from ft_train.driver.prepare import RunPlan, make_controller
 from ft_train.driver.prepare import prepare_run as _prepare_run
 from ft_train.errors import WorkerGroupError
 
+from .live import LiveView
 from .publish import publish_artifacts
 
 
@@ -101,12 +102,13 @@ def _retry_group_failures(task, task_run, state) -> bool:
 def train_segment(controller: Controller, segment: int) -> Segment:
     """Train until the next committed checkpoint; raise on a group failure (a retry restarts the
     group from the latest committed checkpoint)."""
-    controller.log = get_run_logger().info
+    log = get_run_logger()
+    controller.log, controller.warn = log.info, log.warning
     return controller.run_segment()
 
 
 @task(name="finalize", cache_policy=NO_CACHE)
-def finalize(plan: RunPlan) -> ft_train.TrainResult:
+def finalize(plan: RunPlan, view: LiveView | None = None) -> ft_train.TrainResult:
     """The run's result, and its checkpoints, failures and summary as artifacts of the flow
     run. Also called for a run that failed, before its error is raised: what cannot be
     published is logged, not raised."""
@@ -117,7 +119,7 @@ def finalize(plan: RunPlan) -> ft_train.TrainResult:
         f"kept, {len(result.failures)} failures, at {result.path}"
     )
     try:
-        publish_artifacts(plan)
+        publish_artifacts(plan, view)
     except Exception as e:  # the run's own outcome stands; only the UI loses
         log.warning(f"could not publish the run's artifacts ({type(e).__name__}: {e})")
     return result

@@ -20,6 +20,9 @@ class Callback:
     def on_attempt_started(self, attempt: AttemptRecord) -> None:
         pass
 
+    def on_report(self, index: int, metrics: dict[str, Any]) -> None:
+        """Every rank reported round `index` (called for each round: keep it cheap)."""
+
     def on_checkpoint_committed(self, entry: CheckpointEntry | None, state: RunState) -> None:
         pass
 

@@ -75,6 +75,7 @@ class Controller:
         self.cluster, self.plan, self.state = cluster, plan, state
         self.store, self.manager, self.failure_config = store, manager, failure_config
         self.log, self.callbacks = log, list(callbacks)
+        self.warn = logger.warning  # a rank's traceback: not to be missed among the INFO lines
         self.current: State = Restarting()
         self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}
@@ -190,6 +191,7 @@ class Controller:
     def _on_round(self, s: State, rnd: Round) -> State:
         """A round every rank reported: commit its checkpoint, if it has one."""
         self.last_metrics = rnd.metrics
+        notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
         if rnd.dir_name is None:
             if time.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
                 self._last_progress_log = time.monotonic()
@@ -273,6 +275,7 @@ class Controller:
         self.dead_workers |= attempt.group.stop(grace_s=self.stop_grace_s, kill_first=kill_first)
         journals = attempt.group.read_journals(skip=lost)
         if (rnd := attempt.rounds.recover(journals)) is not None:
+            notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
             self._commit(rnd, " (recovered from the ranks' journals)")
         return set(attempt.progress) | {r for r, j in journals.items() if "index" in j}
 

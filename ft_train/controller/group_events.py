@@ -119,7 +119,7 @@ def _on_ended(ctl: Controller, s: GroupState, event: RankEnded) -> State:
         return ctl.fail(s, rank, "node_loss", "the rank's Dask task was cancelled")
     if isinstance(exc, RankFailure) and exc.fatal:
         att.group.stop(grace_s=0.0)
-        ctl.log(f"rank {rank} broke the training function's contract:\n{exc.traceback}")
+        ctl.warn(f"rank {rank} broke the training function's contract:\n{exc.traceback}")
         return ctl.errored(SessionError(exc.error.split(": ", 1)[-1]))
     if isinstance(exc, RankFailure):
         if att.suspect is None and lost_a_peer(exc.error):
@@ -136,7 +136,7 @@ def _on_ended(ctl: Controller, s: GroupState, event: RankEnded) -> State:
 def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) -> State:
     """Fail the group, unless the rank found the checkpoint it restores from damaged and an
     earlier one is kept: then restart from that one."""
-    ctl.log(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
+    ctl.warn(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
     state = ctl.state
     if exc.damaged is None or exc.damaged != ctl.manager.latest_uri(state):
         return ctl.fail(s, rank, "exception", exc.error, step=exc.step)

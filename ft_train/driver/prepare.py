@@ -8,15 +8,17 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RunConfig, ScalingConfig
 from ..controller import Callback, Controller, GroupPlan
+from ..controller.history import HistoryRecorder
 from ..errors import ConfigError, RunLockedError, StorageError
 from ..result import TrainResult
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.fs import Storage
+from ..storage.metric_history import MetricHistory, load_history
 from ..storage.run_state import STATE_FILE, FailureRecord, RunState, RunStore
 from ..worker.rank import load_train_loop
 from . import resume
@@ -36,6 +38,8 @@ class RunPlan:
     store: RunStore
     state: RunState
     lease: RunLease
+    # The run's metric history, read by `make_controller` (one read: a finished run needs none).
+    history: MetricHistory = field(default_factory=MetricHistory)
 
     @property
     def finished(self) -> bool:
@@ -318,6 +322,11 @@ def make_controller(
         warm=tuple(warm),
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
+    try:
+        plan.history = load_history(plan.storage, plan.run_config.name)
+    except StorageError as e:  # the history only informs: train, and start it afresh
+        log(f"{e}; the run's metric history starts afresh")
+    recorder = HistoryRecorder(plan.store, plan.history)  # first: the others see it current
     controller = Controller(
         DaskCluster(client),
         group_plan,
@@ -326,7 +335,7 @@ def make_controller(
         manager,
         plan.run_config.failure_config,
         log,
-        callbacks,
+        [recorder, *callbacks],
     )
     plan.lease.on_lost = controller.lease_lost  # stop training at once, not at the next write
     return controller

@@ -100,8 +100,8 @@ def train_loop(config: dict[str, Any]) -> None:
             if batch == len(loader):
                 epoch, batch = epoch + 1, 0
             metrics = dict(step=step, epoch=epoch, loss=loss.item(), resumed_from=resumed_from)
-            done = epoch == epochs
-            if done:
+            metrics["total_steps"] = epochs * len(loader)  # the UI's progress: step of this
+            if done := epoch == epochs:
                 metrics["val_accuracy"] = accuracy(raw_model, val_set)
             checkpointed = step % checkpoint_every == 0 or done
             if checkpointed:
