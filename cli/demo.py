@@ -23,7 +23,7 @@ from ft_train.config import CheckpointConfig, ClusterConfig, FailureConfig, RunC
 from ft_train.storage.run_state import RunState
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import stored_before, train_and_show
+from .launch import refused, stored_before, train_and_show
 from .output import say
 
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
@@ -211,6 +211,8 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not may_start:
         return EXIT_FAILED
     marker = _inject_crash(args, params, before)
+    if refused(params, before):
+        return EXIT_FAILED
     _announce(args, params, before)
     code, result = train_and_show(params, before, _demo_steps(args.workers, args.epochs))
     if marker is not None and result is not None and result.status == "finished":

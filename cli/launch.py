@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from ft_train.config import RunConfig
+from ft_train.driver import resume
 from ft_train.driver.lease import live_holder
 from ft_train.errors import ConfigError, FtTrainError, RunLockedError, StorageError
 from ft_train.result import TrainResult
@@ -74,6 +75,27 @@ def stored_before(config: RunConfig) -> tuple[bool, RunState | None]:
     return True, before
 
 
+def refused(params: dict[str, Any], before: RunState | None) -> bool:
+    """Does the run's resume policy refuse these parameters (`ft_train.driver.resume`)? Asked
+    here too, so that the refusal comes at once, not after Prefect's start; prints it."""
+    config: RunConfig = params["run_config"]
+    wanted = resume.wanted(
+        params["train_loop"],
+        params["train_loop_config"],
+        params["scaling_config"],
+        config.checkpoint_config,
+    )
+    where = Storage(config.storage_path, config.storage_options).uri(config.name)
+    try:
+        resume.check(config, before, wanted, where, lambda msg: None)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if "allow_train_loop_change" in str(e):
+            say("(on the command line: --allow-train-loop-change)")
+        return True
+    return False
+
+
 def train_and_show(
     params: dict[str, Any], before: RunState | None, total: int | None = None
 ) -> tuple[int, TrainResult | None]:
@@ -127,6 +149,8 @@ def report_failure(config: RunConfig, error: FtTrainError) -> int:
         state = None
     if state is None or isinstance(error, (ConfigError, RunLockedError)):  # refused: it alone
         print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        if "allow_train_loop_change" in str(error):
+            say("(on the command line: --allow-train-loop-change)")
         return EXIT_FAILED
     say(f"\nRun {config.name!r} {state.status}.")
     storage = Storage(config.storage_path, config.storage_options)

@@ -20,7 +20,7 @@ from ft_train.errors import ConfigError
 from ft_train.worker.rank import load_train_loop
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import stored_before, train_and_show
+from .launch import refused, stored_before, train_and_show
 from .output import say
 
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ConfigError as e:
         parser.error(str(e))
     may_start, before = stored_before(params["run_config"])
-    if not may_start:
+    if not may_start or refused(params, before):
         return EXIT_FAILED
     if before is None:
         say(f"ft-train run: new run {args.name!r} of {args.train_loop}, {args.workers} rank(s)")
