@@ -168,6 +168,24 @@ def assert_the_server_has_the_flow_run(name: str) -> None:
     assert run.state.is_completed()
 
 
+def test_demo_with_no_faults_trains_cleanly_without_a_traceback(cli_env, tmp_path, prefect_api):
+    """`--no-faults`: no crash, no failure, and nothing on the console a user would take for
+    one. Against the session's Prefect server (the ephemeral path is the first test's)."""
+    store = str(tmp_path / "runs")
+    run = ft_train_cli(
+        {**cli_env, "PREFECT_API_URL": prefect_api}, tmp_path, "demo", "--name", "cli-clean",
+        "--storage-path", store, "--epochs", "1", "--no-faults",
+    )  # fmt: skip
+    out = run.stdout
+    assert run.returncode == 0, out
+    assert "will crash" not in out and "Run 'cli-clean' finished." in out, out
+    assert re.search(r"failures +none\n", out) and "recovery" not in out, out
+    assert re.search(r"training cli-clean .* 12/12 steps +checkpoint at step 12 ", out), out
+    assert "Traceback" not in out and "ERROR" not in out, out
+    state = RunStore(Storage(store), "cli-clean").load()
+    assert state.failures == [] and "faults" not in state.config["train_loop_config"]
+
+
 def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(
     cli_env, tmp_path, prefect_api
 ):
