@@ -49,6 +49,16 @@ def add_storage_args(p: argparse.ArgumentParser, default: str = DEFAULT_STORAGE_
     )
 
 
+def add_allow_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-train-loop-change",
+        action="store_true",
+        help="resume a run that exists with another training function or config than it last "
+        "trained with (RunConfig.allow_train_loop_change); a finished run then trains on from "
+        "its final checkpoint, e.g. with more epochs. Without it such a rerun is refused.",
+    )
+
+
 def run_config(args: argparse.Namespace, **extra: Any) -> RunConfig:
     return RunConfig(
         name=args.name,

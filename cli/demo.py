@@ -1,6 +1,7 @@
 """`ft-train demo`: the demo deployment's parameters (`deployments/demo.py`), trained as the
-Prefect flow in ephemeral mode on a local Dask cluster; optionally a rank crashes once, to show
-a restart from the latest checkpoint.
+Prefect flow in ephemeral mode on a local Dask cluster. What ft-train is for, by default: a rank
+crashes once partway, the group restarts from the latest checkpoint, and the summary says what
+the recovery cost. `--no-faults` trains without the crash.
 
 The options' defaults are the demo's parameters; each option replaces one of them. `flows.train`
 (and with it Prefect) is imported when the command runs, after the environment defaults are set.
@@ -10,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import logging
 import math
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -21,22 +20,11 @@ from pydantic import ValidationError
 
 from deployments import demo
 from ft_train.config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
-from ft_train.driver.lease import live_holder
-from ft_train.errors import FtTrainError, StorageError
-from ft_train.result import TrainResult
-from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState
 
-from .common import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    add_storage_args,
-    load_state,
-    run_config,
-    validation_message,
-)
-from .output import headline, print_summary, say
+from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
+from .launch import refused, stored_before, train_and_show
+from .output import say
 
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
 
@@ -84,40 +72,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--crash-at-step",
         type=int,
         metavar="N",
-        help="make one rank raise once, before training step N, to show a restart",
+        help="the step before which one rank raises, once (default: partway, just after a "
+        "checkpoint's step, so that the restart trains a few steps again)",
     )
     p.add_argument(
-        "--crash-rank", type=int, default=1, help="the rank that crashes (default: %(default)s)"
+        "--crash-rank",
+        type=int,
+        help="the rank that crashes (default: the last one)",
     )
+    p.add_argument("--no-faults", action="store_true", help="train without the crash: a clean run")
+    add_allow_arg(p)
     p.set_defaults(command_fn=run_demo, command_parser=p)
-
-
-class _DemoConsole(logging.Filter):
-    """What the demo's console leaves out of the flow's logs; Prefect's API log handler, which
-    sees each record before the console does, still stores all of it.
-
-    - The traceback of ft-train's own errors. A group failure that Prefect retries, a spent
-      failure budget, or bad input is an FtTrainError whose message says what happened; the
-      rank's own traceback is logged by the controller, and the summary lists every failure.
-      Their traceback would show only ft-train's and Prefect's internals. Any other exception
-      keeps its traceback.
-    - "Finished in state Completed()" of each task run: one per checkpoint, it would double the
-      progress lines. Failed and crashed states, and the flow run's end, are kept.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, FtTrainError):
-            record.exc_info, record.exc_text = None, None
-        if getattr(record, "task_run_id", None) is not None and isinstance(record.msg, str):
-            return not record.msg.startswith("Finished in state Completed(")
-        return True
-
-
-def _quiet_console() -> None:
-    # Prefect's console handler sits on the root logger; flow and task run records reach it last.
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_DemoConsole())
 
 
 def _demo_steps(workers: int, epochs: int) -> int:
@@ -151,20 +116,33 @@ def _check_demo_args(
             args,
             failure_config=FailureConfig(max_failures=args.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
+            allow_train_loop_change=args.allow_train_loop_change,
         )
         scaling = ScalingConfig.model_validate({**demo.SCALING_CONFIG, "num_workers": args.workers})
     except ValidationError as e:
         parser.error(validation_message(e))
-    if args.crash_at_step is not None:
-        if not 0 <= args.crash_rank < args.workers:
-            parser.error(f"--crash-rank {args.crash_rank} must be between 0 and --workers - 1")
-        total = _demo_steps(args.workers, args.epochs)
-        if not 0 <= args.crash_at_step < total:
-            parser.error(
-                f"--crash-at-step {args.crash_at_step}: {args.workers} ranks train "
-                f"{args.epochs} epoch(s) in {total} steps; pick a step from 0 to {total - 1}"
-            )
+    if args.no_faults and (args.crash_at_step is not None or args.crash_rank is not None):
+        parser.error("--no-faults trains without a crash: leave out --crash-at-step/--crash-rank")
+    if args.crash_rank is not None and not 0 <= args.crash_rank < args.workers:
+        parser.error(f"--crash-rank {args.crash_rank} must be between 0 and --workers - 1")
+    total = _demo_steps(args.workers, args.epochs)
+    if args.crash_at_step is not None and not 0 <= args.crash_at_step < total:
+        parser.error(
+            f"--crash-at-step {args.crash_at_step}: {args.workers} ranks train "
+            f"{args.epochs} epoch(s) in {total} steps; pick a step from 0 to {total - 1}"
+        )
     return config, scaling
+
+
+def _crash_point(args: argparse.Namespace) -> tuple[int, int]:
+    """(rank, step) of the demo's crash: the options', else the last rank, partway through the
+    run, a couple of steps after a checkpoint (the restart trains those again: what it costs)."""
+    rank = args.workers - 1 if args.crash_rank is None else args.crash_rank
+    if args.crash_at_step is not None:
+        return rank, args.crash_at_step
+    total, every = _demo_steps(args.workers, args.epochs), args.checkpoint_every
+    step = (total // 2) // every * every + max(1, every // 2)
+    return rank, min(step, total - 1)
 
 
 def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -188,104 +166,56 @@ def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 def _inject_crash(
     args: argparse.Namespace, params: dict[str, Any], before: RunState | None
 ) -> str | None:
-    """Add --crash-at-step's fault to the training config; its marker file, if one is injected."""
-    if args.crash_at_step is None:
+    """Add the demo's crash (`_crash_point`) to the training config; its marker file, if one is
+    injected. A run that exists goes on with the crash it was started with, unless an option
+    says otherwise: a rerun of the same command resumes it rather than being refused a changed
+    config (`RunConfig.allow_train_loop_change`)."""
+    chosen = args.no_faults or args.crash_at_step is not None or args.crash_rank is not None
+    if before is not None and before.config is not None and not chosen:
+        faults = before.config["train_loop_config"].get("faults")
+        if faults:
+            params["train_loop_config"]["faults"] = faults
+            return str(faults[0].get("marker", "")) or None
         return None
-    marker = _fault_marker(params["run_config"], args.crash_rank, args.crash_at_step)
+    if args.no_faults:
+        return None
+    rank, step = _crash_point(args)
+    marker = _fault_marker(params["run_config"], rank, step)
     if before is None and os.path.exists(marker):
         os.remove(marker)  # left by an earlier run of this name whose storage was deleted
     params["train_loop_config"]["faults"] = [
-        {"rank": args.crash_rank, "step": args.crash_at_step, "kind": "raise", "marker": marker}
+        {"rank": rank, "step": step, "kind": "raise", "marker": marker}
     ]
     return marker
 
 
-def _announce(args: argparse.Namespace, before: RunState | None, crash: bool) -> None:
-    crashing = ""
-    if crash:
-        crashing = f"; rank {args.crash_rank} will crash once before step {args.crash_at_step}"
+def _announce(args: argparse.Namespace, params: dict[str, Any], before: RunState | None) -> None:
+    faults = params["train_loop_config"].get("faults") or []
+    crashing = "".join(
+        f"; rank {f['rank']} will crash once before step {f['step']}" for f in faults
+    )
     if before is None:
         say(
             f"ft-train demo: run {args.name!r}, an MLP on the digits data set, {args.workers} "
             f"ranks, {args.epochs} epoch(s), max_failures={args.max_failures}{crashing}"
         )
     elif before.status == "finished":
-        say(f"ft-train demo: run {args.name!r} exists and has finished; the flow returns it")
+        say(f"ft-train demo: run {args.name!r} exists and has finished")
     else:
         say(f"ft-train demo: resuming run {args.name!r} ({before.status}){crashing}")
 
 
-def _stored_before(args: argparse.Namespace, config: RunConfig) -> tuple[bool, RunState | None]:
-    """(whether the demo may start, the run as stored before it). Prints why it may not: the
-    storage cannot be read, or another driver holds the run (said now, not after Prefect's start)."""
-    try:
-        before = load_state(config)
-        storage = Storage(config.storage_path, config.storage_options)
-        lease = live_holder(storage, config.name) if before is not None else None
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return False, None
-    if lease is not None:
-        print(
-            f"error: run {args.name!r} is being trained by another driver ({lease.describe()}); "
-            "wait for it to end or stop it, or use another --name",
-            file=sys.stderr,
-        )
-        return False, None
-    return True, before
-
-
 def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = flow_parameters(args, parser)
-    config = params["run_config"]
-    may_start, before = _stored_before(args, config)
+    may_start, before = stored_before(params["run_config"])
     if not may_start:
         return EXIT_FAILED
     marker = _inject_crash(args, params, before)
-    _announce(args, before, crash=marker is not None)
-
-    # Before Prefect is imported: an offline machine must not print telemetry errors.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.train import train  # imports Prefect and sets up its logging
-
-    _quiet_console()
-    try:
-        result = train(**params)
-    except KeyboardInterrupt:
-        say(f"\ninterrupted; run the same command again to resume {args.name!r}")
-        return EXIT_INTERRUPTED
-    except FtTrainError as e:
-        return _report_failure(args, config, e)
-
-    if before is not None and before.status == "finished":
-        say(f"\nRun {args.name!r} had already finished: nothing was trained. The stored run:")
-    else:
-        say(f"\nRun {args.name!r} {result.status}.")
-    print_summary(result)
-    if marker is not None and result.status == "finished" and os.path.exists(marker):
-        os.remove(marker)  # the run is over: nothing will read it again
-    return EXIT_OK if result.status == "finished" else EXIT_FAILED
-
-
-def _report_failure(args: argparse.Namespace, config: RunConfig, error: FtTrainError) -> int:
-    """The flow raised one of ft-train's own errors: show the stored run (if any) and the error,
-    without a traceback (the error says what to change; a rank's traceback was logged above)."""
-    try:
-        state = load_state(config)
-    except StorageError as read_error:  # the run's own error, printed below, matters more
-        print(f"(the stored run cannot be read: {read_error})", file=sys.stderr)
-        state = None
-    if state is None:
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    if refused(params, before):
         return EXIT_FAILED
-    say(f"\nRun {args.name!r} {state.status}.")
-    storage = Storage(config.storage_path, config.storage_options)
-    print_summary(TrainResult.from_state(storage, state, config.checkpoint_config))
-    # The summary lists the failures: the error's first line is enough here.
-    print(f"error: {type(error).__name__}: {headline(error)}", file=sys.stderr, flush=True)
-    if state.status == "failed":
-        say(
-            "Run the same command again to resume it, from its latest checkpoint if any, with a "
-            "fresh failure budget; or raise --max-failures."
-        )
-    return EXIT_FAILED
+    _announce(args, params, before)
+    code, result = train_and_show(params, before, _demo_steps(args.workers, args.epochs))
+    if marker is not None and result is not None and result.status == "finished":
+        if os.path.exists(marker):
+            os.remove(marker)  # the run is over: nothing will read it again
+    return code

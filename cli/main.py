@@ -1,11 +1,14 @@
 """The `ft-train` command line's entry point: the parser, and the dispatch to a command.
 
+    ft-train run      train MODULE:FUNCTION as the Prefect flow; the same command resumes
+                      the run (`cli/run.py`)
     ft-train demo     train the digits example as the Prefect flow, on a local Dask cluster,
-                      in Prefect's ephemeral mode (no server to start); optionally crash a rank
-                      once to show a restart from the latest checkpoint (`cli/demo.py`)
+                      in Prefect's ephemeral mode (no server to start); a rank crashes once
+                      partway, to show the recovery and its cost (`cli/demo.py`)
     ft-train status   print a stored run (status, checkpoints, failures, metrics, the config
                       it last trained with, the driver that holds it); reads storage only
-    ft-train list     one line per run under a storage path; reads storage only (`cli/runs.py`)
+    ft-train list     a table of the runs under a storage path; reads storage only
+                      (`cli/runs.py`); both with --json for scripts
 
 Exit codes: 0 success, 1 a failed or missing run, 2 bad arguments, 130 interrupted.
 """
@@ -16,8 +19,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
-from . import demo, runs
+from . import demo, run, runs
 from .common import EXIT_FAILED
 
 
@@ -26,10 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ft-train",
         description="Fault-tolerant distributed PyTorch training as a Prefect flow on Dask.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run.add_parser(commands)
     demo.add_parser(commands)
     runs.add_parsers(commands)
     return parser
+
+
+def _version() -> str:
+    try:
+        return version("ft-train")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import sys
 from typing import Any, TextIO
 
 from ft_train.result import TrainResult
+from ft_train.storage.run_state import RunState
 
 
 def say(text: str) -> None:
@@ -49,4 +50,31 @@ def print_summary(result: TrainResult, out: TextIO = sys.stdout) -> None:
     w("metrics", fmt_metrics(result.metrics) if result.metrics else "none reported")
     if result.error is not None:
         w("error", headline(result.error))
+    out.flush()
+
+
+def recoveries(state: RunState) -> list[str]:
+    """What each restart cost, from the run state: the failure, the checkpoint the next attempt
+    started from, the steps trained again, and the time from the failure to that start."""
+    out = []
+    starts = {a.attempt: a for a in state.attempts}
+    for f in state.failures:
+        nxt = starts.get(f.attempt + 1)
+        if nxt is None:
+            continue  # the run ended there (a spent budget), or its next driver has not started
+        where = f" on rank {f.rank}" if f.rank is not None else ""
+        at = f" at step {f.step}" if f.step is not None else ""
+        frm = f"checkpoint at step {nxt.start_report_index}" if nxt.restored_from else "scratch"
+        lost = "" if f.step is None else f"{f.step - nxt.start_report_index} steps trained again, "
+        took = max(0.0, (nxt.started_at - f.time).total_seconds())
+        out.append(
+            f"{f.kind}{where}{at} -> {nxt.world_size} ranks restarted from {frm}: "
+            f"{lost}{took:.1f} s from the failure to the restart"
+        )
+    return out
+
+
+def print_recoveries(state: RunState, out: TextIO = sys.stdout) -> None:
+    for i, line in enumerate(recoveries(state)):
+        print(f"  {'recovery' if i == 0 else '':<12} {line}", file=out)
     out.flush()

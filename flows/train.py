@@ -88,7 +88,7 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     state = peek(run, storage, RunStore(storage, run.name))  # raises for a run that cannot start
     if state is None:
         return run.resume == "must"  # refused
-    if run.resume == "never" or state.status == "finished":
+    if run.resume == "never" or (state.status == "finished" and not run.allow_train_loop_change):
         return True
     return live_holder(storage, run.name) is not None
 

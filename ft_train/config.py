@@ -159,8 +159,14 @@ class RunConfig(_Config):
         "auto",
         description="What to do with a run of this name that exists: 'auto' resumes it, or "
         "starts the run if there is none; 'never' refuses to start if it exists; 'must' refuses "
-        "unless it exists and is resumed with the train_loop and train_loop_config it last "
-        "trained with.",
+        "unless it exists.",
+    )
+    allow_train_loop_change: bool = Field(
+        False,
+        description="Resume a run that exists with a train_loop or train_loop_config other than "
+        "the one it last trained with; a finished run then trains on from its final checkpoint "
+        "(e.g. more epochs). False refuses the change before any worker starts, naming each "
+        "changed field.",
     )
 
     @field_validator("name")

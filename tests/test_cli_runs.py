@@ -3,12 +3,13 @@ with no Prefect."""
 
 import contextlib
 import io
+import json
 import os
 import re
 
 import ft_train
 from cli import main as cli
-from ft_train.driver import prepare
+from ft_train.driver.prepare import RunPlan, prepare_run
 from ft_train.storage.run_state import STATE_FILE
 from tests.conftest import on_storage
 from tests.helpers import fresh
@@ -18,8 +19,8 @@ def noop_train_loop(config):
     """An importable train_loop for `prepare_run`; never called."""
 
 
-def prepare(target, name: str, config=None) -> prepare.RunPlan:
-    return prepare.prepare_run(
+def prepare(target, name: str, config=None) -> RunPlan:
+    return prepare_run(
         f"{__name__}:noop_train_loop",
         config or {},
         ft_train.ScalingConfig(),
@@ -38,7 +39,7 @@ def cli_out(target, *args: str) -> tuple[int, str]:
 
 def table(text: str) -> dict[str, dict[str, str]]:
     """`ft-train list`'s lines, by run name and column."""
-    header, *rows = text.splitlines()
+    header, *rows = (line.rstrip() for line in text.splitlines())
     columns = re.split(r"  +", header)
     return {cells[0]: dict(zip(columns, cells)) for cells in (re.split(r"  +", r) for r in rows)}
 
@@ -55,6 +56,7 @@ def test_list_shows_each_run_with_its_progress_and_the_driver_training_it(storag
     fresh(storage).write_atomic(f"newer/{STATE_FILE}", newer.model_dump_json().encode())
     try:
         code, out = cli_out(storage, "list")
+        json_code, json_out = cli_out(storage, "list", "--json")
     finally:
         held.release()
     assert code == 0, out
@@ -68,11 +70,21 @@ def test_list_shows_each_run_with_its_progress_and_the_driver_training_it(storag
     assert runs["broken"]["STATUS"] == "unreadable", out
     assert runs["newer"]["STATUS"] == "unreadable", out  # a newer ft-train's: read as a rerun would
 
+    assert json_code == 0, json_out
+    docs = {d["name"]: d for d in json.loads(json_out)}  # the same runs, for scripts
+    assert sorted(docs) == ["alpha", "beta", "broken", "newer"], json_out
+    assert docs["alpha"]["status"] == "finished" and docs["alpha"]["reports"] == 12
+    assert docs["alpha"]["driver"] is None and docs["alpha"]["failures"] == []
+    assert docs["beta"]["driver"]["pid"] == os.getpid(), json_out
+    assert docs["beta"]["driver"]["state"] == "training it now", json_out
+    assert docs["broken"]["status"] == "unreadable" and "run_state.json" in docs["broken"]["error"]
+
 
 @on_storage("local")
 def test_list_of_a_path_without_runs_says_so(storage):
     code, out = cli_out(storage, "list")
     assert (code, out) == (0, f"no runs under {storage.path}\n")
+    assert cli_out(storage, "list", "--json") == (0, "[]\n")
 
 
 @on_storage("s3")
@@ -82,6 +94,12 @@ def test_status_shows_the_config_the_run_last_trained_with(storage):
     assert code == 0, out
     assert re.search(r"train_loop +tests.test_cli_runs:noop_train_loop\n", out), out
     assert re.search(r'config +\{"epochs": 3, "lr": 0.1\}\n', out), out
+    code, out = cli_out(storage, "status", "run", "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["config"]["train_loop_config"] == {"epochs": 3, "lr": 0.1}, out
+    assert doc["status"] == "running" and doc["checkpoints"] == [] and doc["failures"] == []
+    assert doc["path"] == f"{storage.path}/run" and doc["driver"] is None, out
 
 
 @on_storage("local")

@@ -6,6 +6,7 @@ reads storage without Prefect.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -100,11 +101,12 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
         cli_env = {**cli_env, "PREFECT_API_URL": request.getfixturevalue("prefect_api")}
 
     first = ft_train_cli(
-        cli_env, tmp_path, "demo", "--name", name, *where,
-        "--epochs", "1", "--max-failures", "1", "--crash-at-step", "7",
+        cli_env, tmp_path, "demo", "--name", name, *where, "--epochs", "1", "--max-failures", "1"
     )  # fmt: skip
     out = first.stdout
     assert first.returncode == 0, out
+    # by default a rank crashes partway: the last one, 2 steps after a checkpoint
+    assert "max_failures=1; rank 1 will crash once before step 7" in out, out
     # progress while training, a restart from the checkpoint before the crash
     assert re.search(r"checkpoint checkpoint_000005-a0-\S+ committed at step 5", out), out
     assert re.search(r"2 ranks started from checkpoint checkpoint_000005-a0-", out), out
@@ -116,6 +118,13 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
     failures = re.findall(r"^ +- .*$", out, flags=re.M)
     assert len(failures) == 1 and "exception on rank 1 at step 7: InjectedFault" in failures[0], out
     assert re.search(r"metrics .*val_accuracy=0\.\d+", out), out
+    # what the recovery cost: the steps trained again, the time to the restart
+    assert re.search(
+        r"recovery +exception on rank 1 at step 7 -> 2 ranks restarted from checkpoint at step "
+        r"5: 2 steps trained again, \d+\.\d s from the failure to the restart\n",
+        out,
+    ), out
+    assert re.search(r"training cli-demo-\w+ .* 12/12 steps +checkpoint at step 12, 1 failure", out)
     # the injected fault's traceback, once, and no other (Prefect's retry says no more)
     assert traceback_endings(out) == [f"{INJECTED} 7"], out
     assert ("Starting temporary server" in out) is not served, out
@@ -159,6 +168,24 @@ def assert_the_server_has_the_flow_run(name: str) -> None:
     assert run.state.is_completed()
 
 
+def test_demo_with_no_faults_trains_cleanly_without_a_traceback(cli_env, tmp_path, prefect_api):
+    """`--no-faults`: no crash, no failure, and nothing on the console a user would take for
+    one. Against the session's Prefect server (the ephemeral path is the first test's)."""
+    store = str(tmp_path / "runs")
+    run = ft_train_cli(
+        {**cli_env, "PREFECT_API_URL": prefect_api}, tmp_path, "demo", "--name", "cli-clean",
+        "--storage-path", store, "--epochs", "1", "--no-faults",
+    )  # fmt: skip
+    out = run.stdout
+    assert run.returncode == 0, out
+    assert "will crash" not in out and "Run 'cli-clean' finished." in out, out
+    assert re.search(r"failures +none\n", out) and "recovery" not in out, out
+    assert re.search(r"training cli-clean .* 12/12 steps +checkpoint at step 12 ", out), out
+    assert "Traceback" not in out and "ERROR" not in out, out
+    state = RunStore(Storage(store), "cli-clean").load()
+    assert state.failures == [] and "faults" not in state.config["train_loop_config"]
+
+
 def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(
     cli_env, tmp_path, prefect_api
 ):
@@ -176,6 +203,107 @@ def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(
     # only the rank's traceback; ft-train's and Prefect's internals stay out of the console
     assert traceback_endings(out) == [f"{INJECTED} 2"], out
     assert RunStore(Storage(store), "cli-spent").load().status == "failed"
+
+
+def test_run_trains_is_killed_and_the_same_command_resumes(cli_env, tmp_path, prefect_api):
+    """`ft-train run MODULE:FUNCTION` as a user runs it: SIGKILLed (the CLI process alone, as the
+    OOM killer would) after its second checkpoint, then the same command again resumes from it.
+    `status --json` and `list --json` then hold the checkpoints, the failure and the final
+    metrics. Against the session's Prefect server (the ephemeral path is the demo's)."""
+    store = str(tmp_path / "runs")
+    # rank 0 holds right after the checkpoint of step 10, once: the kill lands mid-run
+    hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
+    command = [
+        "run", "ft_train.examples.digits:train_loop", "--name", "cli-run", "--storage-path", store,
+        "--workers", "2", "--preload", "sklearn.datasets", "--config", "epochs=2",
+        "--config", "checkpoint_every=5", "--config", f"faults={json.dumps([hold])}",
+    ]  # fmt: skip
+    env = {**cli_env, "PREFECT_API_URL": prefect_api}
+    with open(tmp_path / "killed.log", "w") as log:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "cli", *command],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, for the cleanup below
+        )
+    try:
+        wait_for(lambda: os.path.exists(hold["marker"]), 240, "rank 0 to hold at step 10")
+        wait_for(
+            lambda: stored_state(Target(store), "cli-run").report_index == 10,
+            60,
+            "the checkpoint of step 10 to be committed",
+        )
+        os.kill(first.pid, signal.SIGKILL)
+        assert first.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its cluster, if it outlived it
+            os.killpg(first.pid, signal.SIGKILL)
+
+    again = ft_train_cli(env, tmp_path, *command)
+    out = again.stdout
+    assert again.returncode == 0, out
+    assert "ft-train run: run 'cli-run' exists (running, step 10)" in out, out
+    assert re.search(r"2 ranks started from checkpoint checkpoint_000010-a0-", out), out
+    assert re.search(r"training cli-run .* 24/24 steps +checkpoint at step 24, 1 failure", out)
+    assert "Run 'cli-run' finished." in out, out
+    assert re.search(
+        r"recovery +driver_crash at step 10 -> 2 ranks restarted from checkpoint at step 10: "
+        r"0 steps trained again",
+        out,
+    ), out
+    assert "Traceback" not in out, out  # nothing failed in this process
+
+    status = ft_train_cli(env, tmp_path, "status", "cli-run", "--storage-path", store, "--json")
+    assert status.returncode == 0, status.stdout
+    (listed,) = json.loads(
+        ft_train_cli(env, tmp_path, "list", "--storage-path", store, "--json").stdout
+    )
+    for doc in (json.loads(status.stdout), listed):
+        assert doc["name"] == "cli-run" and doc["status"] == "finished", doc
+        assert [c["step"] for c in doc["checkpoints"]] == [5, 10, 15, 20, 24], doc
+        assert doc["latest_checkpoint"] == doc["checkpoints"][-1]["path"], doc
+        assert doc["latest_checkpoint"].startswith(f"{store}/cli-run/checkpoint_000024-a1-"), doc
+        assert [(f["kind"], f["step"], f["charged"]) for f in doc["failures"]] == [
+            ("driver_crash", 10, False)
+        ], doc
+        final = doc["final_metrics"]
+        assert final["epoch"] == 2 and final["step"] == 24 and final["resumed_from"] == 10, doc
+        assert 0 < final["val_accuracy"] <= 1, doc
+        assert doc["driver"] is None and doc["driver_runs"] == 2, doc
+
+    # The same name with another config: refused at once, before Prefect starts, with the change
+    finished = stored_state(Target(store), "cli-run")
+    changed = ft_train_cli(env, tmp_path, *command, "--config", "epochs=3")  # the last one counts
+    assert changed.returncode == 1, changed.stdout
+    assert "train_loop_config.epochs: 2 -> 3" in changed.stdout, changed.stdout
+    assert "--allow-train-loop-change" in changed.stdout, changed.stdout
+    assert "flow run" not in changed.stdout and "Traceback" not in changed.stdout, changed.stdout
+    assert stored_state(Target(store), "cli-run") == finished
+
+
+class Target:
+    """A local storage path, as `stored_state` takes one."""
+
+    def __init__(self, path: str):
+        self.path, self.options = path, {}
+
+
+def test_cli_usage_errors_exit_2_before_anything_starts(cli_env, tmp_path):
+    env = {**cli_env, "PYTHONPATH": REPO}
+    cases = {
+        ("demo", "--no-faults", "--crash-at-step", "3"): "--no-faults trains without a crash",
+        ("run", "no_such_module:fn", "--name", "x"): "no_such_module",
+        ("run", "tests.loops:report_many", "--name", "x", "--config", "epochs"): "KEY=VALUE",
+    }
+    for args, words in cases.items():
+        proc = ft_train_cli(env, tmp_path, *args, "--storage-path", str(tmp_path / "runs"))
+        assert proc.returncode == 2 and words in proc.stdout, (args, proc.stdout)
+        assert "Traceback" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "runs").exists()
+    version = ft_train_cli(env, tmp_path, "--version")
+    assert version.returncode == 0 and re.fullmatch(r"ft-train \d+\.\d+\.\d+\n", version.stdout)
 
 
 def test_the_cli_modules_do_not_import_prefect(cli_env, tmp_path):

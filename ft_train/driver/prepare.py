@@ -208,12 +208,12 @@ def _rehydrate(
     the previous drivers' uncommitted checkpoint directories."""
     state = store.load()
     where = storage.uri(run_config.name)
-    resume.check(run_config, state, new, where, log)
+    trains_on = resume.check(run_config, state, new, where, log)  # a finished run, extended
     resumed = state is not None  # a new run has nothing to sweep (nor a run with no state file)
     if state is None:
         state = RunState(name=run_config.name)
         log(f"new run {run_config.name!r} at {where}")
-    elif state.status == "finished":
+    elif state.status == "finished" and not trains_on:
         log(f"run {run_config.name!r} at {where} already finished; nothing to train")
         return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
     else:
@@ -275,7 +275,7 @@ def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bo
                 charged=False,
             )
         )
-    elif state.status == "failed":
+    elif state.status in ("failed", "finished"):  # finished: trains on with a changed config
         state.budget_start = len(state.failures)  # a new flow run gets a fresh failure budget
     state.status, state.error = "running", None
     frm = f"checkpoint {state.latest} (step {state.report_index})" if state.latest else "scratch"

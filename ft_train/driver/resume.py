@@ -1,15 +1,19 @@
-"""May this driver start or resume the run, and with which config: `RunConfig.resume`.
+"""May this driver start or resume the run, and with which config: `RunConfig.resume` and
+`RunConfig.allow_train_loop_change`.
 
     auto   resume the run if it exists, else start it (the default)
     never  start a new run: refuse a name that already has one
-    must   resume the run: refuse if there is none, or if the training's config (`train_loop`,
-           `train_loop_config`) differs from the one the run last trained with
+    must   resume the run: refuse if there is none
 
-A scheduled or automated rerun wants `must`: a misspelt name or storage path then fails instead
-of training from scratch, and a deployment whose parameters were edited since the run started
-does not go on with a model trained half under the old ones. `auto` resumes with a changed config
-and logs each change. Changes to `scaling_config` and `checkpoint_config` are allowed in every
-mode (a run may resume on fewer workers, or keep fewer checkpoints) and logged.
+Whatever the mode, a run that exists resumes only with the training's config (`train_loop`,
+`train_loop_config`) it last trained with, unless `allow_train_loop_change` is set: a reused name
+(a scheduled rerun, edited deployment parameters, a copied command) never goes on silently with a
+model trained half under other settings. This holds for a finished run too; allowed, a finished
+run trains on from its final checkpoint (training extended: more epochs), and an unchanged rerun
+of it returns its result. `must` suits scheduled and automated reruns: a misspelt name or storage
+path fails instead of training from scratch. Changes to `scaling_config` and `checkpoint_config`
+are allowed in every mode (a run may resume on fewer workers, or keep fewer checkpoints) and
+logged.
 
 The run state records the config the run last trained with (`RunState.config`), so a refusal
 names each changed field with its old and new value. A run stored before that record has only a
@@ -27,7 +31,7 @@ from ..config import CheckpointConfig, RunConfig, ScalingConfig
 from ..errors import ConfigError
 from ..storage.run_state import RunState, fingerprint
 
-TRAINING = ("train_loop", "train_loop_config")  # what `must` refuses to see changed
+TRAINING = ("train_loop", "train_loop_config")  # what is refused changed, unless allowed
 SHOWN = 60  # characters of a value in a message
 
 
@@ -96,9 +100,10 @@ def check(
     new: Wanted,
     where: str,
     log: Callable[[str], None],
-) -> None:
-    """Raise ConfigError if `run_config.resume` refuses this start, given the run's stored state
-    and the config this driver would train with; else log what changed."""
+) -> bool:
+    """Raise ConfigError if the run's settings refuse this start, given the run's stored state
+    and the config this driver would train with; else log what changed. True if a finished run
+    is to train on (an allowed change), False otherwise."""
     policy, name = run_config.resume, run_config.name
     if state is None:
         if policy == "must":
@@ -106,26 +111,31 @@ def check(
                 f"run_config.resume='must': there is no run {name!r} at {where} to resume; check "
                 "run_config.name and run_config.storage_path, or set resume='auto' to start it"
             )
-        return
+        return False
     if policy == "never":
         raise ConfigError(
             f"run_config.resume='never': run {name!r} already exists at {where} ({state.status}, "
             f"{state.report_index} reports); use another run_config.name, or set resume='auto' "
             "to resume it"
         )
-    if state.status == "finished":
-        return  # nothing will be trained: the stored result is returned as it is
     training, other = _changed(state, new)
-    if training and policy == "must":
+    finished = state.status == "finished"
+    if training and not run_config.allow_train_loop_change:
+        goes_on = "train it on from its final checkpoint" if finished else "resume it"
         raise ConfigError(
-            f"run_config.resume='must': the training's config differs from the one run {name!r} "
-            f"last trained with: {'; '.join(training)}. Rerun with the stored values, or set "
-            "resume='auto' to resume with the new ones"
+            f"run {name!r} at {where} ({state.status}) last trained with another train_loop or "
+            f"train_loop_config: {'; '.join(training)}. Rerun with the stored values, use another "
+            f"run_config.name for a new run, or set run_config.allow_train_loop_change=True to "
+            f"{goes_on} with the new ones"
         )
+    if finished and not training:
+        return False  # nothing will be trained: the stored result is returned as it is
     if training:
-        log(f"warning: run {name!r} resumes with a changed config: {'; '.join(training)}")
+        how = "trains on from its final checkpoint" if finished else "resumes"
+        log(f"warning: run {name!r} {how} with a changed config: {'; '.join(training)}")
     if other:
         log(f"run {name!r} resumes with changed settings: {'; '.join(other)}")
+    return finished
 
 
 def _changed(state: RunState, new: Wanted) -> tuple[list[str], list[str]]:
