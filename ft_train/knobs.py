@@ -58,3 +58,15 @@ SPARE_WORKERS = 1
 LEASE_TTL_S = 30.0
 # Renewals per TTL: one every 5 s survives five failed renewals in a row.
 LEASE_RENEWALS_PER_TTL = 6
+
+# -- object storage (S3) ---------------------------------------------------------------------
+
+# botocore's attempts at one S3 request (standard mode: exponential backoff with jitter, 1 s,
+# 2 s, 4 s, ... capped at 20 s): 8 attempts ride out an outage of about 30-60 s (an endpoint
+# restarting, a load balancer failing over). Past that the request fails: a rank's upload fails
+# its group (a charged failure), a driver's write is retried by the controller (`storage_down`).
+S3_RETRY_ATTEMPTS = 8
+# A connection to S3 that takes longer than this is refused and retried.
+S3_CONNECT_TIMEOUT_S = 5.0
+# A request that has sent nothing back for this long is given up and retried.
+S3_READ_TIMEOUT_S = 30.0
