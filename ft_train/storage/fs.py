@@ -110,6 +110,27 @@ def with_s3_retries(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "config_kwargs": config}
 
 
+def unreachable(error: BaseException) -> bool:
+    """Did `error` come from storage that could not be reached (a refused or reset connection, a
+    timeout), after the client's own retries? Not an answer from storage (denied, not found):
+    what a wait may fix, not what it cannot."""
+    retryable: tuple[type, ...] = (ConnectionError, TimeoutError)
+    try:
+        import botocore.exceptions as boto
+
+        retryable += (boto.ConnectionError, boto.HTTPClientError)
+    except ImportError:  # no s3fs here: only the builtin kinds
+        pass
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, retryable):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def file_digest(path: str) -> FileInfo:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
