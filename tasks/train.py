@@ -103,7 +103,7 @@ def _retry_group_failures(task, task_run, state) -> bool:
 def train_segment(controller: Controller, segment: int) -> Segment:
     """Train until the next committed checkpoint; raise on a group failure (a retry restarts the
     group from the latest committed checkpoint)."""
-    controller.log = get_run_logger().info
+    controller.log, controller.warn = get_run_logger().info, get_run_logger().warning
     return controller.run_segment()
 
 
