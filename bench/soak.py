@@ -109,16 +109,17 @@ def sample(driver: psutil.Process, storage: Path) -> dict:
 
 
 def calibrate(out: Path, config: dict) -> float:
-    """Steps a second of a fault-free run of a few epochs (report_index / wall time)."""
+    """Steps a second of a fault-free run of a few epochs, while its ranks train (from its
+    attempt's start to its last write: the driver's start is not training)."""
+    from datetime import datetime
+
     storage = out / "calibrate"
-    t0 = time.monotonic()
-    driver = start(
-        {"config": {**config, "epochs": 3}, "name": "cal", "storage": str(storage)},
-        out / "calibrate.log",
-    )
-    driver.wait()
+    args = {"config": {**config, "epochs": 3}, "name": "cal", "storage": str(storage)}
+    start(args, out / "calibrate.log").wait()
     state = json.loads((storage / "cal" / "run_state.json").read_text())
-    return state["report_index"] / (time.monotonic() - t0)
+    began = datetime.fromisoformat(state["attempts"][0]["started_at"])
+    ended = datetime.fromisoformat(state["updated_at"])
+    return state["report_index"] / max((ended - began).total_seconds(), 1e-3)
 
 
 def schedule(rate: float, minutes: float, every: float, out: Path) -> tuple[list, list]:
