@@ -164,6 +164,8 @@ def soak(out: Path, minutes: float, every: float) -> dict:
                 done.append((round(now), kind, _act(kind, process)))
             if row := sample(process, out / "runs"):
                 samples.append(row)
+                with open(out / "samples.jsonl", "a") as f:  # as it goes: a cut run keeps them
+                    f.write(json.dumps(row) + "\n")
         except psutil.Error:
             pass  # the driver just ended: the next turn sees it
         time.sleep(5)
@@ -255,7 +257,6 @@ def main() -> None:
             indent=1,
         )
     )
-    (a.out / "samples.json").write_text(json.dumps(figures["samples"]))
 
 
 if __name__ == "__main__":
