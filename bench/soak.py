@@ -52,6 +52,8 @@ def drive(args: dict) -> None:
             name=args["name"],
             storage_path=args["storage"],
             failure_config=ft_train.FailureConfig(max_failures=-1, hang_timeout_s=10.0),
+            # two kept: the disk's figure is then what the run holds, not its history
+            checkpoint_config=ft_train.CheckpointConfig(num_to_keep=2),
         ),
         cluster=ft_train.ClusterConfig(preload=list(demo.CLUSTER["preload"])),
     )
