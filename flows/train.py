@@ -17,6 +17,7 @@ from prefect import Flow
 
 import ft_train
 from flows import ephemeral
+from flows.credentials import with_credentials
 from ft_train.config import parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
@@ -47,6 +48,7 @@ def train_fn(
         scaling_config: how many ranks, CPU or GPU.
         cluster: a local Dask cluster (default) or the address of an existing one.
     """
+    run_config = with_credentials(run_config)  # after Prefect stored the parameters
     check_fits(cluster, scaling_config)
     check_scheduler(cluster)  # before prepare_run: a wrong address leaves the storage untouched
     plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
@@ -103,7 +105,9 @@ class _TrainFlow(Flow):
     another driver is training. Deployment runs start the cluster in the flow."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cluster, scaling, run = _checked(self.fn, args, kwargs)  # bad input: nothing starts
+        cluster, scaling, run, call = _checked(self.fn, args, kwargs)  # bad input: nothing starts
+        # the parsed config, not a dict: Prefect stores it with its credentials hidden
+        args, kwargs = (), {**call.arguments, "run_config": run}
         server = ephemeral.start()  # first: it is the longest to start
         ahead = None
         with contextlib.suppress(Exception):  # what fails here fails in the flow, as without this
@@ -118,7 +122,7 @@ class _TrainFlow(Flow):
                 ahead.drop()  # closes it if the run did not take it
 
 
-def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, Any]:
     """A Python call's parameters, checked as the flow checks them, before Prefect, a flow run
     or a cluster starts: ConfigError (TrainLoopImportError) naming the field and the fix."""
     try:
@@ -134,7 +138,10 @@ def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
     load_train_loop(p["train_loop"])
     loop_config(p["train_loop_config"])
     check_fits(cluster, scaling)
-    return cluster, scaling, run
+    return cluster, scaling, run, call
 
 
-train = _TrainFlow(train_fn, name="ft-train", flow_run_name="{run_config.name}")
+# No result persisted: the result's checkpoints carry the storage options, credentials included.
+train = _TrainFlow(
+    train_fn, name="ft-train", flow_run_name="{run_config.name}", persist_result=False
+)

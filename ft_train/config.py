@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from .errors import ConfigError
+from .storage import credentials
 
 DEFAULT_STORAGE_PATH = "~/ft_train_results"
 
@@ -151,7 +152,19 @@ class RunConfig(_Config):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         repr=False,
-        description="Options for the fsspec filesystem (endpoint_url, key, secret, ...).",
+        description="Options for the fsspec filesystem (endpoint_url, ...). Credentials: "
+        "give credentials_block, or the environment's (AWS_* variables); in a Python call, "
+        "key/secret/token here are held hidden, and Prefect stores '**********' for them. A "
+        "deployment refuses them: Prefect would store them with the run's parameters.",
+        # a deployment run that holds credentials is refused by Prefect's server at creation
+        json_schema_extra={"propertyNames": {"not": {"pattern": credentials.CREDENTIAL.pattern}}},
+    )
+    credentials_block: str | None = Field(
+        None,
+        description="A Prefect block with the storage's credentials, read by the driver when "
+        "the run starts and never stored: 'secret/NAME' (a Secret whose value is a JSON object "
+        'of fsspec options, e.g. {"key": ..., "secret": ...}; a bare NAME means this) or '
+        "'aws-credentials/NAME' (prefect-aws). Laid over storage_options.",
     )
     failure_config: FailureConfig = Field(default_factory=FailureConfig)
     checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -178,6 +191,28 @@ class RunConfig(_Config):
                 "letters, digits and . _ = + , @ : -, starting with a letter or digit, with no '/' "
                 "or '..' (the name is one directory under storage_path), e.g. "
                 "'unique_run_id=da823d5'."
+            )
+        return name
+
+    @field_validator("storage_options")
+    @classmethod
+    def _credentials_hidden(cls, options: dict[str, Any]) -> dict[str, Any]:
+        copied = credentials.masked(options)
+        if copied:
+            raise ValueError(
+                f"run_config.storage_options.{copied[0]} is {credentials.MASK!r}, the mask "
+                "Prefect shows in a credential's place, not the credential: name a block "
+                "holding it in run_config.credentials_block, or set it in the environment"
+            )
+        return credentials.hide(options)
+
+    @field_validator("credentials_block")
+    @classmethod
+    def _block_name(cls, name: str | None) -> str | None:
+        if name is not None and not re.fullmatch(r"([a-z0-9-]+/)?[^/\s]+", name):
+            raise ValueError(
+                f"run_config.credentials_block {name!r}: give a block's name as "
+                "'secret/NAME' or 'aws-credentials/NAME'"
             )
         return name
 

@@ -64,3 +64,20 @@ SPARE_WORKERS = 1
 LEASE_TTL_S = 30.0
 # Renewals per TTL: one every 5 s survives five failed renewals in a row.
 LEASE_RENEWALS_PER_TTL = 6
+
+# -- object storage (S3) ---------------------------------------------------------------------
+
+# botocore's attempts at one S3 request (standard mode: exponential backoff with full jitter, a
+# random wait up to 1 s, 2 s, 4 s, ... capped at 20 s): 8 attempts ride out an outage of about
+# 35 s on average (an endpoint restarting, a load balancer failing over), and one of 5 s all
+# but always (1 in 10 000 falls short; with 6 attempts, 1 in 40). Past that the request
+# fails: a rank's upload fails its group (a charged failure); a driver's write of the run's
+# documents waits for the storage while its lease holds (`RunStore.write`).
+S3_RETRY_ATTEMPTS = 8
+# A connection to S3 that takes longer than this is refused and retried.
+S3_CONNECT_TIMEOUT_S = 5.0
+# A request that has sent nothing back for this long is given up and retried.
+S3_READ_TIMEOUT_S = 30.0
+# A driver's write that storage did not take (unreachable) is tried again after 0.5 s, 1 s, 2 s,
+# ... up to this, for as long as its lease holds (LEASE_TTL_S without a renewal).
+STORAGE_WAIT_MAX_DELAY_S = 4.0

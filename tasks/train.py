@@ -28,7 +28,9 @@ from .live import LiveView
 from .publish import publish_artifacts
 
 
-@task(name="prepare-run", cache_policy=NO_CACHE)
+# prepare-run's and finalize's results hold the storage options, credentials included: never
+# persisted, whatever PREFECT_RESULTS_PERSIST_BY_DEFAULT says.
+@task(name="prepare-run", cache_policy=NO_CACHE, persist_result=False)
 def prepare_run(
     train_loop: str | Callable,
     train_loop_config: dict[str, Any] | None,
@@ -107,7 +109,7 @@ def train_segment(controller: Controller, segment: int) -> Segment:
     return controller.run_segment()
 
 
-@task(name="finalize", cache_policy=NO_CACHE)
+@task(name="finalize", cache_policy=NO_CACHE, persist_result=False)
 def finalize(plan: RunPlan, view: LiveView | None = None) -> ft_train.TrainResult:
     """The run's result, and its checkpoints, failures and summary as artifacts of the flow
     run. Also called for a run that failed, before its error is raised: what cannot be

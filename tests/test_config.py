@@ -22,6 +22,7 @@ from ft_train.config import (
     RunConfig,
     ScalingConfig,
 )
+from ft_train.storage.fs import Storage
 
 # -- RunConfig.name: one directory under storage_path ----------------------------------------------
 
@@ -102,7 +103,8 @@ def test_storage_options_are_not_in_repr():
         storage_options={"key": "AKIA-visible-id", "secret": secret},
     )
     assert secret not in repr(cfg) and secret not in str(cfg)
-    assert cfg.storage_options["secret"] == secret  # still there for fsspec
+    assert cfg.storage_options["secret"].get_secret_value() == secret  # hidden, not lost
+    assert Storage(cfg.storage_path, cfg.storage_options).options["secret"] == secret  # fsspec's
 
 
 # -- FailureConfig, CheckpointConfig, ScalingConfig, ClusterConfig ---------------------------------

@@ -256,38 +256,78 @@ def test_a_hung_rank_is_detected_and_recovered_within_the_hang_timeout(storage, 
     recovered_from_hang(storage, "hang", fault(tmp_path, 1, 7, kind="hang"), 10.0)
 
 
-@on_storage("s3")
+def _damage(storage, path: str, how: str) -> None:
+    """Damage a stored file as a disk, a partial copy or a person would: its bytes changed
+    (same size), cut short, or gone."""
+    target = fresh(storage)
+    data = target.read_bytes(path)
+    if how == "altered":
+        target.write_atomic(path, bytes(b ^ 0xFF for b in data[:64]) + data[64:])
+    elif how == "truncated":
+        target.write_atomic(path, data[: len(data) // 2])
+    else:
+        target.fs.rm(target.full(path))
+
+
+@pytest.mark.parametrize("damage", ["altered", "truncated", "missing"])
+@pytest.mark.parametrize("storage", ["local", "s3"], indirect=True)
 def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_one_before(
-    storage, tmp_path
+    storage, tmp_path, damage
 ):
-    """A file of the latest checkpoint is overwritten on storage after its commit: a restart
-    from it fails its checksum. The run drops it, restores from the checkpoint before, and does
-    not charge max_failures (0 here) for it."""
+    """A file of the latest checkpoint is damaged on storage after its commit: a restart from
+    it fails its manifest's check (size and sha256, or the file's presence). The run drops it
+    with a warning, restores from the checkpoint before, and records the failure without
+    charging max_failures (0 here)."""
+    name = f"damaged-{storage.kind}-{damage}"
     config = demo_config([fault(tmp_path, 1, 8)], checkpoint_every=3)
     with pytest.raises(ft_train.TrainingFailedError):
-        train_demo(storage, "damaged", config, max_failures=0)
-    state = load_state(storage, "damaged")
+        train_demo(storage, name, config, max_failures=0)
+    state = load_state(storage, name)
     damaged = state.latest
     assert [c.report_index for c in state.checkpoints] == [3, 6], state.checkpoints
-    files = Checkpoint(fresh(storage).uri(f"damaged/{damaged}"), storage.options).manifest()[
-        "files"
-    ]
-    fresh(storage).write_atomic(f"damaged/{damaged}/{sorted(files)[0]}", b"not what was saved")
+    files = Checkpoint(fresh(storage).uri(f"{name}/{damaged}"), storage.options).manifest()["files"]
+    _damage(storage, f"{name}/{damaged}/{sorted(files)[0]}", damage)
 
-    result = train_demo(storage, "damaged", config, max_failures=0)
+    result = train_demo(storage, name, config, max_failures=0)
     assert result.status == "finished"
     assert result.metrics["resumed_from"] == 3  # not 6, whose files do not match its manifest
-    state = load_state(storage, "damaged")
+    state = load_state(storage, name)
     dropped = state.failures[-1]
     assert not dropped.charged and f"checkpoint {damaged} dropped" in dropped.error, dropped
-    assert "does not match its manifest" in dropped.error
+    found = "is missing" if damage == "missing" else "does not match its manifest"
+    assert found in dropped.error, dropped.error
     assert state.attempts[-1].restored_from != damaged
-    kept = [c.dir_name for c in RunStore(fresh(storage), "damaged").all_checkpoints(state)]
-    assert damaged not in kept and damaged not in fresh(storage).list_dir("damaged")  # swept
+    kept = [c.dir_name for c in RunStore(fresh(storage), name).all_checkpoints(state)]
+    assert damaged not in kept and damaged not in fresh(storage).list_dir(name)  # swept
     wait_for(
-        lambda: any(e.event == "ft-train.run.finished" for e in events_of("damaged")),
+        lambda: any(e.event == "ft-train.run.finished" for e in events_of(name)),
         30,
         "the run's events to be stored",
     )
-    committed = [e.payload["step"] for e in events_of("damaged") if e.event.endswith("committed")]
+    committed = [e.payload["step"] for e in events_of(name) if e.event.endswith("committed")]
     assert committed == [3, 6, 6, 9, 12], committed  # step 3 again, as latest, is no news
+    wait_for(
+        lambda: any(f"checkpoint {damaged} is damaged" in w for w in _warnings_of(name)),
+        30,
+        "the warning that the checkpoint is damaged, in the flow run's logs",
+    )
+
+
+def _warnings_of(flow_run_name: str) -> list[str]:
+    """The warnings the Prefect API holds for the flow runs named `flow_run_name`."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+        LogFilterLevel,
+    )
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name]))
+        )
+        ids = LogFilterFlowRunId(any_=[r.id for r in runs])
+        logs = client.read_logs(LogFilter(flow_run_id=ids, level=LogFilterLevel(ge_=30)))
+    return [log.message for log in logs]

@@ -164,7 +164,7 @@ def _fall_back(ctl: Controller, s: GroupState, rank: int, exc: RankFailure, earl
     ctl.dead_workers |= group.stop(grace_s=ctl.stop_grace_s)
     state.checkpoints = earlier
     state.latest, state.report_index = previous.dir_name, previous.report_index
-    ctl.log(
+    ctl.warn(
         f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
         f"{previous.dir_name} (step {previous.report_index})"
     )

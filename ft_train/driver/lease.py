@@ -109,9 +109,10 @@ class RunLease:
         name: str,
         holder: str = "",
         holder_id: str = "",
-        ttl_s: float = knobs.LEASE_TTL_S,
+        ttl_s: float | None = None,
         log: Callable[[str], None] = logger.info,
     ):
+        ttl_s = knobs.LEASE_TTL_S if ttl_s is None else ttl_s  # read now: a test may set it
         self.storage, self.name, self.ttl_s, self.log = storage, name, ttl_s, log
         self.path = f"{name}/{LEASE_FILE}"
         self.on_lost: Callable[[str], None] | None = None

@@ -82,7 +82,7 @@ class CheckpointManager:
             "committed_at": now().isoformat(),
         }
         # 2. the manifest, last of the checkpoint's own files
-        self.storage.write_atomic(f"{run}/{dir_name}/{MANIFEST}", json.dumps(manifest).encode())
+        self.store.write(f"{run}/{dir_name}/{MANIFEST}", json.dumps(manifest).encode())
 
         # 3. the commit point: the run state references the new checkpoint
         entry = CheckpointEntry(

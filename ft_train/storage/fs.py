@@ -28,6 +28,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from .. import knobs
+from .credentials import reveal
+
 FileInfo = dict[str, Any]  # {"size": int, "sha256": str}
 
 _CHUNK = 8 * 2**20  # bytes read, hashed and written at a time by an upload
@@ -92,6 +95,42 @@ def _precondition_failed(error: OSError) -> bool:
     return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
+def with_s3_retries(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs `options` with botocore's retries and timeouts set to ride out a storage outage of
+    `knobs.S3_RETRY_ATTEMPTS` attempts (what the options give themselves is kept). botocore's
+    "standard" mode retries a refused or reset connection, a timeout, a 5xx and throttling, with
+    exponential backoff and jitter. (s3fs tries again, 5 times, what botocore gave up on after
+    a timeout, not after a refused connection.)"""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault(
+        "retries", {"mode": "standard", "total_max_attempts": knobs.S3_RETRY_ATTEMPTS}
+    )
+    config.setdefault("connect_timeout", knobs.S3_CONNECT_TIMEOUT_S)
+    config.setdefault("read_timeout", knobs.S3_READ_TIMEOUT_S)
+    return {**options, "config_kwargs": config}
+
+
+def unreachable(error: BaseException) -> bool:
+    """Did `error` come from storage that could not be reached (a refused or reset connection, a
+    timeout), after the client's own retries? Not an answer from storage (denied, not found):
+    what a wait may fix, not what it cannot."""
+    retryable: tuple[type, ...] = (ConnectionError, TimeoutError)
+    try:
+        import botocore.exceptions as boto
+
+        retryable += (boto.ConnectionError, boto.HTTPClientError)
+    except ImportError:  # no s3fs here: only the builtin kinds
+        pass
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, retryable):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def file_digest(path: str) -> FileInfo:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -112,7 +151,7 @@ class Storage:
 
     def __init__(self, url: str, options: dict[str, Any] | None = None):
         self.url = url
-        self.options = dict(options or {})
+        self.options = reveal(dict(options or {}))  # credentials plain, in memory only
         self._fs = None
         self._root = ""
 
@@ -128,7 +167,10 @@ class Storage:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:
-            self._fs, self._root = fsspec.core.url_to_fs(self.url, **self.options)
+            options = self.options
+            if self.url.startswith(("s3://", "s3a://")):
+                options = with_s3_retries(options)
+            self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
         return self._fs
 
     @property

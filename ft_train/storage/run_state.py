@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import knobs
 from ..errors import StorageError
-from .fs import Storage
+from .fs import Storage, unreachable
+
+logger = logging.getLogger("ft_train")
 
 SCHEMA_VERSION = 2
 STATE_FILE = "run_state.json"
@@ -175,7 +180,30 @@ class RunStore:
         self.fence()
         state.schema_version = SCHEMA_VERSION
         state.updated_at = now()
-        self.storage.write_atomic(self.path, state.model_dump_json(indent=1).encode())
+        self.write(self.path, state.model_dump_json(indent=1).encode())
+
+    def write(self, path: str, data: bytes) -> None:
+        """A driver's write of the run's documents (run state, index chunk, manifest). Storage
+        that cannot be reached past its client's retries (botocore's, `knobs.S3_RETRY_ATTEMPTS`)
+        is waited for while this driver holds the lease: the write must happen before training
+        goes on, and restarting ranks that are fine would not make it happen sooner. The lease
+        bounds the wait (`fence` raises RunLockedError once it could not be renewed for its
+        ttl): past that another driver may take the run over, and this one stops."""
+        delay = 0.5
+        while True:
+            try:
+                self.storage.write_atomic(path, data)
+                return
+            except Exception as e:
+                if self.lease is None or not unreachable(e):
+                    raise
+                self.fence()
+                logger.warning(
+                    f"ft-train: storage unreachable writing {self.storage.uri(path)} "
+                    f"({type(e).__name__}: {e}); trying again in {delay:g}s, while the lease holds"
+                )
+                time.sleep(delay)
+                delay = min(2 * delay, knobs.STORAGE_WAIT_MAX_DELAY_S)
 
     def chunk_path(self, index: int) -> str:
         return f"{self.name}/{INDEX_DIR}/{index:06d}.json"
@@ -186,7 +214,7 @@ class RunStore:
         seal."""
         self.fence()
         chunk = IndexChunk(checkpoints=entries)
-        self.storage.write_atomic(self.chunk_path(index), chunk.model_dump_json(indent=1).encode())
+        self.write(self.chunk_path(index), chunk.model_dump_json(indent=1).encode())
 
     def all_checkpoints(self, state: RunState) -> list[CheckpointEntry]:
         """Every retained checkpoint, commit order: the sealed chunks', then the head's.
