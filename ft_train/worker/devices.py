@@ -47,7 +47,7 @@ def torchrun_environ(
     }
 
 
-def pick_device(local_rank: int, host_devices: Sequence[Sequence[str]], worker: str = "") -> int:
+def pick_device(local_rank: int, host_devices: Sequence[Sequence[str]], host: str = "") -> int:
     """This rank's CUDA device index, in its own process's numbering. `host_devices[i]`: the
     physical GPUs (ids) the rank of local rank i on this host sees, in its numbering. Raises
     ConfigError when this rank has none left."""
@@ -58,7 +58,7 @@ def pick_device(local_rank: int, host_devices: Sequence[Sequence[str]], worker: 
             if free:
                 return list(devices).index(free[0])
             raise ConfigError(
-                f"scaling_config.use_gpu: the rank on worker {worker} (local rank {i}) finds "
+                f"scaling_config.use_gpu: local rank {i} on host {host!r} finds "
                 f"{'no GPU' if not devices else 'no GPU that a rank before it did not take'} "
                 f"(it sees {list(devices)}); run one worker per GPU on each host (or give each "
                 "its own CUDA_VISIBLE_DEVICES), or set use_gpu=False"
