@@ -210,9 +210,60 @@ def test_a_live_cluster_object_trains_the_demo_and_is_left_running(tmp_path, liv
     assert live.status.name == "running" and len(live.scheduler_info["workers"]) == 2
 
 
-def test_a_bare_host_port_of_a_running_scheduler_trains_the_demo(tmp_path, live):
+def test_a_bare_host_port_of_a_running_scheduler_trains_the_demo(tmp_path, live, caplog):
+    """`live` was started with Dask's defaults, not ft-train's settings: the run says so."""
     host_port = live.scheduler_address.removeprefix("tcp://")
     trains_the_demo(tmp_path, "host-port", ft_train.ClusterConfig(address=host_port))
+    warned = [r.getMessage() for r in caplog.records if "allowed-failures=3" in r.getMessage()]
+    assert warned and "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0" in warned[0], warned
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("dask_jobqueue") is None, reason="dask-jobqueue is not installed"
+)
+def test_a_slurm_cluster_class_builds_its_job_script_without_slurm(caplog):
+    """What can be tried without SLURM: ft-train starts the SLURMCluster (its scheduler runs in
+    the driver, under ft-train's settings) and the job script a worker would be submitted with.
+    Submitting jobs (scale, adapt) needs sbatch: not tried here."""
+    cfg = ft_train.ClusterConfig(cluster_class="dask_jobqueue.SLURMCluster", cluster_kwargs=SLURM)
+    with local.dask_client(cfg, ft_train.ScalingConfig(num_workers=2)) as client:
+        script = client.cluster.job_script()
+        settings = client.run_on_scheduler(scheduler_settings)
+    assert settings["allowed_failures"] == 0  # ft-train's settings
+    assert not [r for r in caplog.records if "allowed-failures" in r.getMessage()]
+    for line in (
+        "#SBATCH -t 04:00:00",
+        "#SBATCH --gres=gpu:1",
+        "#SBATCH --cpus-per-task=8",
+        "export DASK_DISTRIBUTED__WORKER__DAEMON=False",
+        "--nthreads 1",
+        "--nanny",
+        "--resources GPU=1",
+        "--lifetime 230m --lifetime-stagger 4m",
+        settings["address"],
+    ):
+        assert line in script, script
+
+
+# The README's SLURM example (README: Clusters), as ft-train is given it.
+SLURM = {
+    "cores": 1,  # the worker's threads: one, for its rank
+    "job_cpu": 8,  # the job's CPUs, for the rank's torch threads and DataLoader processes
+    "processes": 1,  # one worker (one rank) per job, with its GPU
+    "memory": "64GB",
+    "walltime": "04:00:00",
+    "job_extra_directives": ["--gres=gpu:1"],
+    "job_script_prologue": ["export DASK_DISTRIBUTED__WORKER__DAEMON=False"],
+    "worker_extra_args": [
+        "--resources",
+        "GPU=1",
+        "--lifetime",
+        "230m",
+        "--lifetime-stagger",
+        "4m",
+    ],
+    "scheduler_options": {"host": "127.0.0.1", "dashboard_address": None},
+}
 
 
 # -- torchrun's variables, from inside the ranks ------------------------------------------------
@@ -234,6 +285,12 @@ def torchrun_probe(config):
     while hasattr(store, "underlying_store"):  # PrefixStores around the rendezvous' TCPStore
         store = store.underlying_store
     mine["store"] = [store.host, store.port]
+    import torch
+
+    ddp = ft_train.torch.prepare_model(
+        torch.nn.Linear(2, 2), "ddp", {"find_unused_parameters": True}
+    )
+    mine["ddp_kwargs"] = ddp.find_unused_parameters  # passed through to DDP
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     ft_train.report({"ranks": everyone})
@@ -257,3 +314,4 @@ def test_every_rank_carries_torchruns_variables(tmp_path, live):
         assert r["NODE_RANK"] == str(node) == "0"
         assert [r["MASTER_ADDR"], int(r["MASTER_PORT"])] == list(r["store"])  # the rendezvous
     assert sorted(int(r["LOCAL_RANK"]) for r in ranks) == [0, 1]
+    assert all(r["ddp_kwargs"] is True for r in ranks)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from distributed.deploy import Cluster
 
 from ..cluster_config import ClusterConfig
 from ..errors import ConfigError
+
+logger = logging.getLogger("ft_train")
 
 
 def load_cluster_class(cfg: ClusterConfig) -> Callable[..., Any]:
@@ -100,4 +103,30 @@ def user_client(cfg: ClusterConfig) -> Iterator[Client]:
             client = Client(target, **kwargs)
         except TypeError as e:
             raise ConfigError(f"cluster.client_kwargs: {e}; fix client_kwargs") from None
-        yield stack.enter_context(client)
+        stack.enter_context(client)
+        _warn_if_it_reruns_ranks(client)
+        yield client
+
+
+def _allowed_failures(dask_scheduler) -> int:
+    return dask_scheduler.allowed_failures
+
+
+def _warn_if_it_reruns_ranks(client: Client) -> None:
+    """A scheduler ft-train did not start in this process (an address, a live cluster, a
+    cluster class whose scheduler runs elsewhere: dask-kubernetes) read its own settings. With
+    Dask's default allowed-failures (3) it re-runs a task whose worker died: say how to start
+    it. (A warning: ranks are pinned to their worker's address, and the group restarts anyway.)"""
+    try:
+        allowed = client.run_on_scheduler(_allowed_failures)
+    except Exception as e:  # a scheduler that refuses pickled calls: it cannot be asked
+        logger.debug("cannot read the scheduler's allowed-failures: %s", e)
+        return
+    if allowed != 0:
+        logger.warning(
+            "ft-train: the Dask scheduler at %s has allowed-failures=%s: it re-runs a task "
+            "whose worker died, where ft-train restarts the whole group itself; start it with "
+            "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0 (README: Existing clusters)",
+            client.scheduler.address,
+            allowed,
+        )
