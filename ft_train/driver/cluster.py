@@ -18,7 +18,6 @@ For GPUs, one worker per GPU with `CUDA_VISIBLE_DEVICES` set and a `GPU` resourc
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -26,7 +25,7 @@ import multiprocessing.forkserver
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
@@ -34,6 +33,7 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from .. import knobs
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
+from .user_cluster import check_scheduler as check_scheduler  # where flows/ find it
 from .user_cluster import load_cluster_class, user_client
 
 logger = logging.getLogger("ft_train")
@@ -303,36 +303,6 @@ def check_fits(cluster: ClusterConfig, scaling: ScalingConfig) -> None:
                 f"{scaling.min_workers} GPUs; {available} visible. Lower num_workers, or use "
                 "cluster.address for a cluster with more GPUs"
             )
-
-
-def check_scheduler(cluster: ClusterConfig) -> None:
-    """Is `cluster.address` a Dask scheduler that answers? Asked before the run's storage is
-    touched, so that a wrong address fails with nothing written. Waits up to Dask's connect
-    timeout (`distributed.comm.timeouts.connect`)."""
-    if cluster.address is None:
-        return
-    from dask.utils import parse_timedelta
-    from distributed import Security
-    from distributed.comm import connect
-
-    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
-
-    security = cluster.client_kwargs.get("security") or Security()  # tls:// needs its context
-    args = security.get_connection_args("client")
-
-    async def probe() -> None:
-        comm = await connect(cluster.address, timeout=timeout, **args)
-        await comm.close()
-
-    with ThreadPoolExecutor(1) as pool:  # its own event loop, whatever runs in this thread
-        try:
-            pool.submit(asyncio.run, probe()).result()
-        except (OSError, ValueError, TypeError) as e:
-            raise ConfigError(
-                f"cluster.address {cluster.address!r}: no Dask scheduler answered within "
-                f"{timeout:g}s ({type(e).__name__}: {e}); check the address and that the "
-                "scheduler runs, or leave cluster.address unset to start a local cluster"
-            ) from None
 
 
 class Ahead:

@@ -11,13 +11,16 @@ must have been started with them (README, "Existing clusters").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import inspect
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import dask
 from distributed import Client
 from distributed.deploy import Cluster
 
@@ -130,3 +133,33 @@ def _warn_if_it_reruns_ranks(client: Client) -> None:
             client.scheduler.address,
             allowed,
         )
+
+
+def check_scheduler(cluster: ClusterConfig) -> None:
+    """Is `cluster.address` a Dask scheduler that answers? Asked before the run's storage is
+    touched, so that a wrong address fails with nothing written. Waits up to Dask's connect
+    timeout (`distributed.comm.timeouts.connect`)."""
+    if cluster.address is None:
+        return
+    from dask.utils import parse_timedelta
+    from distributed import Security
+    from distributed.comm import connect
+
+    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+    security = cluster.client_kwargs.get("security") or Security()  # tls:// needs its context
+    args = security.get_connection_args("client")
+
+    async def probe() -> None:
+        comm = await connect(cluster.address, timeout=timeout, **args)
+        await comm.close()
+
+    with ThreadPoolExecutor(1) as pool:  # its own event loop, whatever runs in this thread
+        try:
+            pool.submit(asyncio.run, probe()).result()
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"cluster.address {cluster.address!r}: no Dask scheduler answered within "
+                f"{timeout:g}s ({type(e).__name__}: {e}); check the address and that the "
+                "scheduler runs, or leave cluster.address unset to start a local cluster"
+            ) from None
