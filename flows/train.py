@@ -46,7 +46,8 @@ def train_fn(
         run_config: the run's identity (storage_path, name), failure and checkpoint settings.
         train_loop_config: JSON-serialisable settings passed to the training function.
         scaling_config: how many ranks, CPU or GPU.
-        cluster: a local Dask cluster (default) or the address of an existing one.
+        cluster: a local Dask cluster (default), a cluster class ft-train starts, the address
+            of an existing one, or (a Python call) a live cluster object.
     """
     run_config = with_credentials(run_config)  # after Prefect stored the parameters
     check_fits(cluster, scaling_config)
@@ -111,7 +112,7 @@ class _TrainFlow(Flow):
         server = ephemeral.start()  # first: it is the longest to start
         ahead = None
         with contextlib.suppress(Exception):  # what fails here fails in the flow, as without this
-            if cluster.address is None and not scaling.use_gpu and not _nothing_to_train(run):
+            if cluster.is_default_local and not scaling.use_gpu and not _nothing_to_train(run):
                 start_forkserver(cluster.preload)
                 ahead = Ahead(cluster, scaling)
         try:

@@ -7,7 +7,6 @@ worker starts, so bad input never reaches the cluster or the run's stored state.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from typing import Any, Literal, TypeVar
@@ -18,12 +17,21 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
-    model_validator,
 )
 from pydantic_core import ErrorDetails
 
+from .cluster_config import ClusterConfig
 from .errors import ConfigError
 from .storage import credentials
+
+__all__ = [
+    "CheckpointConfig",
+    "ClusterConfig",
+    "FailureConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "parse",
+]
 
 DEFAULT_STORAGE_PATH = "~/ft_train_results"
 
@@ -228,65 +236,6 @@ class RunConfig(_Config):
             return path.rstrip("/") if not path.endswith("://") else path
         # Ranks may run with another working directory: pin a local path down here, once.
         return os.path.abspath(os.path.expanduser(path))
-
-
-class ClusterConfig(_Config):
-    """Where the ranks run: a local Dask cluster started for the run, or an existing one."""
-
-    address: str | None = Field(
-        None,
-        description="Scheduler address of an existing Dask cluster (tcp://host:8786). "
-        "None starts a local cluster sized to the run and stops it at the end.",
-    )
-    n_workers: int | None = Field(
-        None,
-        ge=1,
-        description="Workers of the local cluster; default: scaling_config.num_workers (its "
-        "max), plus one warm spare on CPU that takes a failed rank's place at once. "
-        "Ignored with `address`.",
-    )
-
-    preload: tuple[str, ...] = Field(
-        (),
-        description="Modules every worker imports before it runs a rank, beyond torch: the "
-        "training function's own heavy imports (e.g. 'sklearn.datasets'). A local cluster's fork "
-        "server imports them once, so the fresh processes that replace a failed group's have "
-        "them at once; an existing cluster's workers import them as they join.",
-    )
-
-    @model_validator(mode="after")
-    def _address_is_a_url(self) -> ClusterConfig:
-        if self.address is not None and "://" not in self.address:
-            raise ValueError(
-                f"cluster.address {self.address!r} must be a scheduler URL like tcp://host:8786"
-            )
-        return self
-
-    @field_validator("preload")
-    @classmethod
-    def _module_names(cls, modules: tuple[str, ...]) -> tuple[str, ...]:
-        for i, module in enumerate(modules):
-            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module):
-                raise ValueError(
-                    f"cluster.preload[{i}] {module!r} is not a module name: give dotted names "
-                    "like 'sklearn.datasets'"
-                )
-        return modules
-
-    @model_validator(mode="after")
-    def _preload_is_installed(self) -> ClusterConfig:
-        """On a local cluster the workers import what the driver can: a module that is not
-        installed here would be skipped by them without a word. (Not asked of an existing
-        cluster, whose workers may have other packages.)"""
-        if self.address is None:
-            for i, module in enumerate(self.preload):
-                package = module.split(".")[0]
-                if importlib.util.find_spec(package) is None:
-                    raise ValueError(
-                        f"cluster.preload[{i}] {module!r}: no package {package!r} is installed "
-                        "here; install it, or remove it from cluster.preload"
-                    )
-        return self
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -1,4 +1,5 @@
-"""Torch helpers for the training function: device placement, DDP, and data sharding.
+"""Torch helpers for the training function: device placement, DDP or FSDP, data sharding, and
+sharded checkpoints (torch.distributed.checkpoint).
 
 `prepare_data_loader` gives each rank its shard through a `DistributedSampler` (also at world
 size 1, so the shuffle order depends only on seed and epoch) and sets the sampler's epoch on each
@@ -8,12 +9,13 @@ pass. Call `loader.set_epoch(e)` when resuming mid-run so the order matches an u
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from .errors import ConfigError
 from .worker.session import get_context
 
 
@@ -25,14 +27,57 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Move the model to this rank's device; wrap it in DDP when there is more than one rank."""
+def prepare_model(
+    model: torch.nn.Module,
+    parallel_strategy: Literal["ddp", "fsdp"] = "ddp",
+    parallel_strategy_kwargs: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """Move the model to this rank's device and make it data-parallel.
+
+    "ddp" (the default): wrapped in DistributedDataParallel when there is more than one rank
+    (`parallel_strategy_kwargs` go to it: find_unused_parameters=True, ...). "fsdp": sharded with
+    FSDP2's `fully_shard` at the root, also on one rank, so that its state dict is DTensors
+    whatever the size (`parallel_strategy_kwargs` go to `fully_shard`: reshard_after_forward,
+    mp_policy, ...); call `fully_shard` on the blocks you want as units first (each transformer
+    block, as torchtitan does). FSDP2 runs on CPU with gloo; FSDP1 needs a GPU. Save an FSDP
+    model with `save_sharded` (every rank its shard)."""
+    if parallel_strategy not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"prepare_model(parallel_strategy={parallel_strategy!r}): give 'ddp' or 'fsdp'"
+        )
+    kwargs = dict(parallel_strategy_kwargs or {})
     device = get_device()
     model = model.to(device)
+    if parallel_strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, **kwargs)  # in place: the model's class becomes an FSDPModule
+        return model
     if get_context().get_world_size() > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=ids)
+        kwargs.setdefault("device_ids", [device.index] if device.type == "cuda" else None)
+        model = DistributedDataParallel(model, **kwargs)
     return model
+
+
+def save_sharded(state: dict[str, Any], directory: str) -> None:
+    """Save `state` (e.g. `torch.distributed.checkpoint.state_dict.get_state_dict(model,
+    optimizer)`, plus plain values) with torch.distributed.checkpoint, every rank its own
+    shard, into `directory`, a directory of this rank's own: then attach it to `report()` on
+    every rank. The files of all ranks form one checkpoint (`__{rank}_0.distcp` each, and rank
+    0's `.metadata`). Every rank must call it (it is a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
+
+
+def load_sharded(state: dict[str, Any], directory: str) -> None:
+    """Load a `save_sharded` checkpoint into `state` in place (the same structure, e.g. a fresh
+    model's `get_state_dict`; apply it with `set_state_dict`): `directory` is the restored
+    checkpoint's (`get_checkpoint().as_directory()`), which holds every rank's files. Each rank
+    reads the parts of its shard, also at another world size. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=directory)
 
 
 class ShardedLoader:

@@ -18,7 +18,9 @@ def unequal_reports(config):
 
 
 def gpu_probe(config):
-    """Fails unless this rank sees exactly one GPU, through CUDA_VISIBLE_DEVICES, with NCCL."""
+    """Fails unless this rank uses its worker's own GPU, the first in its CUDA_VISIBLE_DEVICES
+    (the only one of a SpecCluster worker; dask-cuda's LocalCUDACluster rotates the list), with
+    NCCL."""
     import torch
     import torch.distributed as dist
 
@@ -26,14 +28,16 @@ def gpu_probe(config):
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     model = ft_train.torch.prepare_model(torch.nn.Linear(4, 2))
     device = next(model.parameters()).device
-    assert cvd is not None and "," not in cvd, f"CUDA_VISIBLE_DEVICES={cvd!r}"
-    assert torch.cuda.device_count() == 1, torch.cuda.device_count()
+    assert cvd is not None, "CUDA_VISIBLE_DEVICES is not set"
+    assert torch.cuda.device_count() == len(cvd.split(",")), (cvd, torch.cuda.device_count())
+    assert device.index == 0, device  # the worker's own: listed first
     assert dist.get_backend() == "nccl", dist.get_backend()
     assert device.type == "cuda", device
     t = torch.ones(1, device=device)
     dist.all_reduce(t)
     assert t.item() == ctx.get_world_size()
-    ft_train.report({"cvd": cvd, "device": str(device), "world": ctx.get_world_size()})
+    own = cvd.split(",")[0]
+    ft_train.report({"cvd": own, "device": str(device), "world": ctx.get_world_size()})
 
 
 def fast_checkpoints(config):

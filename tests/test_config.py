@@ -170,7 +170,7 @@ def test_scaling_config_needs_a_worker():
         ScalingConfig(num_workers=0)
 
 
-@pytest.mark.parametrize("address", ["localhost:8786", "8786", "host"])
+@pytest.mark.parametrize("address", ["8786", "host", "host:port", "a/b:1"])
 def test_cluster_address_must_be_a_url(address):
     with pytest.raises(ValidationError) as err:
         ClusterConfig(address=address)
@@ -180,6 +180,10 @@ def test_cluster_address_must_be_a_url(address):
 @pytest.mark.parametrize("address", [None, "tcp://10.0.0.1:8786", "tls://scheduler:8786"])
 def test_cluster_address_urls_are_accepted(address):
     assert ClusterConfig(address=address).address == address
+
+
+def test_a_bare_host_port_is_taken_as_tcp():
+    assert ClusterConfig(address="localhost:8786").address == "tcp://localhost:8786"
 
 
 @pytest.mark.parametrize(

@@ -18,14 +18,14 @@ For GPUs, one worker per GPU with `CUDA_VISIBLE_DEVICES` set and a `GPU` resourc
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import importlib.util
 import logging
 import multiprocessing.forkserver
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
@@ -33,6 +33,8 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from .. import knobs
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
+from .user_cluster import check_scheduler as check_scheduler  # where flows/ find it
+from .user_cluster import load_cluster_class, user_client
 
 logger = logging.getLogger("ft_train")
 
@@ -159,6 +161,9 @@ def _worker_start(preload: Sequence[str] = ()) -> tuple[str, dict[str, str]]:
 
 
 def _gpu_cluster(n: int) -> SpecCluster:
+    """One worker per GPU, each with a `GPU` resource: dask-cuda's LocalCUDACluster where it is
+    installed (it lists each worker's own GPU first in CUDA_VISIBLE_DEVICES), else a SpecCluster
+    of nannies that each see one GPU. `rank.pick_device` finds the worker's own GPU in both."""
     import torch
 
     available = torch.cuda.device_count()
@@ -166,6 +171,16 @@ def _gpu_cluster(n: int) -> SpecCluster:
         raise ConfigError(
             f"scaling_config.use_gpu with num_workers={n} needs {n} GPUs; {available} visible. "
             "Lower num_workers, or use cluster.address for a cluster with more GPUs"
+        )
+    if importlib.util.find_spec("dask_cuda") is not None:
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(
+            CUDA_VISIBLE_DEVICES=list(range(n)),
+            host="127.0.0.1",
+            dashboard_address="127.0.0.1:0",
+            resources={"GPU": 1},
+            silence_logs=logging.ERROR,
         )
     workers = {
         f"gpu-{i}": {
@@ -267,8 +282,11 @@ def dask_setup(worker) -> None:
 def check_fits(cluster: ClusterConfig, scaling: ScalingConfig) -> None:
     """Refuse, before anything starts, a local cluster that can never hold the group: waiting
     `worker_start_timeout_s` for workers it will never have tells the user nothing more. (An
-    existing cluster may grow: `placement.await_workers` waits for it.)"""
-    if cluster.address is not None:
+    existing cluster may grow: `placement.await_workers` waits for it.) A cluster class must
+    import, with its cluster_kwargs (`user_cluster.load_cluster_class`)."""
+    if cluster.cluster_class is not None:
+        load_cluster_class(cluster)
+    if not cluster.is_default_local:
         return
     if cluster.n_workers is not None and cluster.n_workers < scaling.min_workers:
         raise ConfigError(
@@ -287,32 +305,6 @@ def check_fits(cluster: ClusterConfig, scaling: ScalingConfig) -> None:
                 f"{scaling.min_workers} GPUs; {available} visible. Lower num_workers, or use "
                 "cluster.address for a cluster with more GPUs"
             )
-
-
-def check_scheduler(cluster: ClusterConfig) -> None:
-    """Is `cluster.address` a Dask scheduler that answers? Asked before the run's storage is
-    touched, so that a wrong address fails with nothing written. Waits up to Dask's connect
-    timeout (`distributed.comm.timeouts.connect`)."""
-    if cluster.address is None:
-        return
-    from dask.utils import parse_timedelta
-    from distributed.comm import connect
-
-    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
-
-    async def probe() -> None:
-        comm = await connect(cluster.address, timeout=timeout)
-        await comm.close()
-
-    with ThreadPoolExecutor(1) as pool:  # its own event loop, whatever runs in this thread
-        try:
-            pool.submit(asyncio.run, probe()).result()
-        except (OSError, ValueError, TypeError) as e:
-            raise ConfigError(
-                f"cluster.address {cluster.address!r}: no Dask scheduler answered within "
-                f"{timeout:g}s ({type(e).__name__}: {e}); check the address and that the "
-                "scheduler runs, or leave cluster.address unset to start a local cluster"
-            ) from None
 
 
 class Ahead:
@@ -364,10 +356,10 @@ def _take_ahead(cluster: ClusterConfig, scaling: ScalingConfig) -> Ahead | None:
 def dask_client(cluster: ClusterConfig, scaling: ScalingConfig) -> Iterator[Client]:
     """A client for the run; a cluster started here (or ahead, for this run) is closed on exit."""
     with contextlib.ExitStack() as stack:
-        if cluster.address is not None:
+        if not cluster.is_default_local:  # a cluster class, a live cluster, an address
             stack.enter_context(dask.config.set(DASK_SETTINGS))
             stack.enter_context(_quiet_dask())
-            client = stack.enter_context(Client(cluster.address, set_as_default=False))
+            client = stack.enter_context(user_client(cluster))
         else:
             ahead = None if scaling.use_gpu else _take_ahead(cluster, scaling)
             if ahead is not None:

@@ -8,13 +8,15 @@ strings, so it crosses process boundaries whatever the user raised.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import inspect
 import logging
+import os
 import socket
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..errors import (
 )
 from ..protocol import Message, Report, Started
 from . import session as _session
+from .devices import host_devices, pick_device, torchrun_environ
 from .journal import Journal, run_key
 from .preemption import GroupStop
 from .session import RankSpec, Session
@@ -161,8 +164,6 @@ def _init_process_group(spec: RankSpec) -> None:
     import torch._dynamo  # noqa: F401  (the first DDP imports it: not in the watchdog's time)
     import torch.distributed as dist
 
-    if spec.use_gpu:
-        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else spec.local_rank)
     dist.init_process_group(
         spec.backend,
         init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
@@ -170,6 +171,35 @@ def _init_process_group(spec: RankSpec) -> None:
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.collective_timeout_s),
     )
+    if spec.use_gpu:  # before the first collective: NCCL takes the current device then
+        store = dist.distributed_c10d._get_default_store()
+        seen = host_devices(store, spec.node_rank, spec.local_rank, spec.local_world_size)
+        torch.cuda.set_device(pick_device(spec.local_rank, seen, socket.gethostname()))
+
+
+@contextlib.contextmanager
+def _torchrun_environ(spec: RankSpec) -> Iterator[None]:
+    """torchrun's variables in this process while the training function runs (one rank per
+    worker process), then the worker's own again."""
+    env = torchrun_environ(
+        spec.rank,
+        spec.local_rank,
+        spec.world_size,
+        spec.local_world_size,
+        spec.node_rank,
+        spec.master_addr,
+        spec.master_port,
+    )
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _control_group():
@@ -217,7 +247,8 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
         session.control = _control_group()
         journal.joined(spec.start_report_index)  # the driver counts it as started
         session.send(Started(spec.rank))  # the hang watchdog starts here
-        call_train_loop(fn, spec.config)
+        with _torchrun_environ(spec):
+            call_train_loop(fn, spec.config)
         session.finish()  # waits for the pending uploads
         return {"rank": spec.rank, "reports": session.report_index}
     except GroupStop:  # the driver stopped the group (to resize it); this process stays
