@@ -42,6 +42,27 @@ def prefect_api():
 
 
 @pytest.fixture(scope="session")
+def postgres_database(tmp_path_factory):
+    """A PostgreSQL server of the session's own (`tests/postgres.py`) with a database for
+    Prefect; yields its SQLAlchemy URL. Skips where PostgreSQL is not installed."""
+    from tests import postgres
+
+    if (why := postgres.unavailable()) is not None:
+        pytest.skip(f"Prefect on PostgreSQL: {why}")
+    with postgres.postgres_server(tmp_path_factory.mktemp("postgres")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_api(postgres_database, tmp_path_factory):
+    """`prefect server start` on `postgres_database`, for the whole session; yields its API URL."""
+    from tests import postgres
+
+    with postgres.prefect_server(postgres_database, tmp_path_factory.mktemp("prefect")) as api:
+        yield api
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """An S3 endpoint on loopback (moto's threaded server), for the whole session."""
     from moto.server import ThreadedMotoServer

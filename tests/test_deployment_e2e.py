@@ -2,7 +2,8 @@
 work pool, `prefect deploy -n demo` from prefect.yaml, `prefect worker start`, and
 `prefect deployment run 'ft-train/demo'`; then the run's stored result is read back without Prefect.
 
-The session's server, and one pool, deployment and worker for the whole module. The
+Once on the session's server (SQLite), once on `prefect server start` backed by a PostgreSQL
+server of the test's own (`tests/postgres.py`); one pool, deployment and worker for each. The
 run stores on the loopback S3, its storage options passed as a deployment parameter (local storage
 is the CLI demo's). The worker runs in an empty directory with no project path added:
 the flow-run process finds the code only through the deployment's pull step.
@@ -77,13 +78,16 @@ def _cli(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedPr
     return done
 
 
-@pytest.fixture(scope="module")
-def prefect_server(prefect_api):
-    """The environment that points Prefect clients at a running server: the session's (the
-    same server `prefect server start` runs; a second one here would cost ~15 s)."""
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def prefect_server(request):
+    """The environment that points Prefect clients at a running server, on each database: the
+    session's on SQLite (the same server `prefect server start` runs; a second one here would
+    cost ~15 s), and `prefect server start` on PostgreSQL, as production runs it. Every test
+    of this module, through this fixture or `demo_deployment`, runs on both."""
+    api = request.getfixturevalue("prefect_api" if request.param == "sqlite" else "postgres_api")
     return {
         **os.environ,
-        "PREFECT_API_URL": prefect_api,
+        "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "COLUMNS": "200",  # keep the CLI's rich output on one line per item
@@ -110,7 +114,7 @@ def demo_deployment(prefect_server, tmp_path_factory):
 
 @on_storage("s3")  # storage_options as a deployment parameter, as a team passes them
 @pytest.mark.timeout(420)
-def test_demo_deployment_trains_to_the_end(demo_deployment, storage):
+def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
     env, worker_log = demo_deployment
     api = env["PREFECT_API_URL"]
     name = f"e2e-{storage.kind}-{uuid.uuid4().hex[:8]}"
@@ -156,9 +160,31 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage):
     assert flow_run["state_type"] == "COMPLETED", output
     assert flow_run["name"] == name, "the flow run should be named after run_config.name"
     assert flow_run["deployment_id"] == deployment["id"]
+    if request.node.callspec.params["prefect_server"] == "postgresql":  # stored there, not SQLite
+        row = stored_flow_run(request.getfixturevalue("postgres_database"), match.group(1))
+        assert row == (name, "COMPLETED"), row
 
     result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
     assert result.status == "finished"
     assert result.checkpoint is not None and len(result.best_checkpoints) >= 1
     assert "step" in result.metrics
     assert result.failures == []
+
+
+def stored_flow_run(database_url: str, flow_run_id: str) -> tuple[str, str] | None:
+    """(name, state type) of a flow run as the server's PostgreSQL database holds it."""
+    import asyncio
+
+    import asyncpg
+
+    async def read() -> tuple[str, str] | None:
+        conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            row = await conn.fetchrow(
+                "SELECT name, state_type FROM flow_run WHERE id = $1", uuid.UUID(flow_run_id)
+            )
+        finally:
+            await conn.close()
+        return None if row is None else (row["name"], str(row["state_type"]))
+
+    return asyncio.run(read())

@@ -4,7 +4,8 @@ Each rank is a Dask task pinned to one worker (`workers=[addr]`, `allow_other_wo
 `pure=False`), so Dask never moves or silently re-runs a rank. The group reports everything that
 happens to it as events (`ft_train.protocol`) on one thread-safe queue, which the controller
 consumes: a rank's messages (Reported), a rank's task ended (RankEnded), the scheduler removed a
-worker hosting a rank (WorkerLost), a rank's worker was told to leave (PreemptNotice).
+worker hosting a rank or heard no heartbeat from it for `worker-ttl` (WorkerLost), a rank's worker
+was told to leave (PreemptNotice).
 `DaskCluster` is what the controller sees of the cluster (`controller.ports.Cluster`).
 
 Stopping a failed group kills the surviving ranks' worker processes at once (their nannies start
@@ -78,6 +79,7 @@ class WorkerGroup:
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
         self.client.subscribe_topic(self.topic, self._on_reports)
         self.client.subscribe_topic("all", self._on_scheduler_event)
+        self.client.subscribe_topic("scheduler", self._on_scheduler_event)  # worker-ttl's word
         self.client.subscribe_topic(preemption.TOPIC, self._on_preemption_notice)
         master = (self.hosts[addrs[0]], ports[addrs[0]])  # rank 0's worker hosts the rendezvous
         for rank, addr in enumerate(addrs):
@@ -136,11 +138,19 @@ class WorkerGroup:
 
     def _on_scheduler_event(self, event: tuple) -> None:
         msg = event[1]
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
-            if msg.get("worker") in self.addresses:
-                # expected: the worker was retired or closed on purpose (Client.retire_workers)
-                expected = bool(msg.get("expected"))
-                self.events.put(WorkerLost(self.attempt, msg["worker"], expected))
+        if not isinstance(msg, dict):
+            return
+        if msg.get("action") == "remove-worker" and msg.get("worker") in self.addresses:
+            # expected: the worker was retired or closed on purpose (Client.retire_workers)
+            expected = bool(msg.get("expected"))
+            self.events.put(WorkerLost(self.attempt, msg["worker"], expected))
+        elif msg.get("action") == "worker-ttl-timed-out":
+            # No heartbeat for worker-ttl: its host is cut off or frozen. The scheduler removes
+            # such a worker at once only without a nanny; with one, it first asks the nanny to
+            # restart it, which on a host cut off never answers: the removal comes 30 s later
+            # (the restart's timeout, or the TCP timeout), not within worker-ttl.
+            for address in set(msg.get("workers", ())) & set(self.addresses):
+                self.events.put(WorkerLost(self.attempt, address, expected=False))
 
     def _on_preemption_notice(self, event: tuple) -> None:
         msg = event[1]
@@ -268,7 +278,7 @@ class WorkerGroup:
                 logger.warning("ft-train: workers %s did not answer %s", workers, fn.__name__)
 
     def _unsubscribe(self) -> None:
-        for topic in (self.topic, "all", preemption.TOPIC):
+        for topic in (self.topic, "all", "scheduler", preemption.TOPIC):
             try:
                 self.client.unsubscribe_topic(topic)
             except Exception:  # the client may be closing; nothing is left to unsubscribe from
