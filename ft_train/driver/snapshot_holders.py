@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import dask
@@ -49,8 +50,9 @@ def all_holders(client: Client) -> list[str]:
     return sorted({holder_of(w, a) for a, w in workers.items()})
 
 
-def _ask(client: Client, op: str, **kwargs: Any) -> list[Any]:
-    """`op` on every holder of the cluster at once; the answers of those that gave one."""
+def _ask(client: Client, op: str, also: Collection[str], **kwargs: Any) -> list[Any]:
+    """`op` on every holder of the cluster, and those in `also`, at once; the answers of those
+    that gave one."""
 
     async def one(addr: str) -> Any:
         call = getattr(client.rpc(addr), f"ft_train_snapshot_{op}")(**kwargs)
@@ -60,7 +62,9 @@ def _ask(client: Client, op: str, **kwargs: Any) -> list[Any]:
             logger.debug("ft-train: snapshot holder %s: %s", addr, e)
             return None
 
-    holders = all_holders(client)  # here: in the event loop, a sync client's info is cached
+    holders = sorted(
+        set(all_holders(client)) | set(also)
+    )  # here: in the event loop, a sync client's info is cached
 
     async def every() -> list[Any]:
         return await asyncio.gather(*(one(a) for a in holders))
@@ -69,16 +73,16 @@ def _ask(client: Client, op: str, **kwargs: Any) -> list[Any]:
         return [a for a in client.sync(every) if a is not None]
 
 
-def held(client: Client, run: str) -> list[dict[str, Any]]:
+def held(client: Client, run: str, also: Collection[str] = ()) -> list[dict[str, Any]]:
     """Every piece held for `run`, each checked against its sha256 by its holder."""
     return [
         p
-        for answer in _ask(client, "describe", run=run)
+        for answer in _ask(client, "describe", also, run=run)
         if isinstance(answer, (list, tuple))
         for p in answer
     ]
 
 
-def drop(client: Client, run: str) -> None:
+def drop(client: Client, run: str, also: Collection[str] = ()) -> None:
     """Forget `run`'s pieces (the run has ended)."""
-    _ask(client, "drop", run=run)
+    _ask(client, "drop", also, run=run)

@@ -64,6 +64,7 @@ class WorkerGroup:
         self.hosts: dict[str, str] = {}
         self.futures: list = []
         self.stopped = False
+        self.placed: set[str] = set()  # the snapshot holders given to ranks (the cluster's set)
 
     def start(
         self,
@@ -76,6 +77,7 @@ class WorkerGroup:
         addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         holders = snapshot_holders.place_holders(addrs, info)
+        self.placed.update(h for h in holders if h)
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
         self.hosts = {a: info[a]["host"] for a in addrs}
@@ -299,9 +301,14 @@ class DaskCluster:
 
     def __init__(self, client: Client):
         self.client = client
+        # Holders given to ranks: a holder whose worker the scheduler dropped (its nanny is
+        # restarting it) is asked too, though not listed until the new worker joins.
+        self.placed: set[str] = set()
 
     def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
-        return WorkerGroup(self.client, attempt, events, run_uri)
+        group = WorkerGroup(self.client, attempt, events, run_uri)
+        group.placed = self.placed
+        return group
 
     def alive(self) -> set[str]:
         return set(self.client.scheduler_info(n_workers=-1)["workers"])
@@ -323,10 +330,10 @@ class DaskCluster:
         self._register(SnapshotWorkerHolder(), 0.0, logger.warning)
 
     def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
-        return snapshot_holders.held(self.client, run_key(run_uri))
+        return snapshot_holders.held(self.client, run_key(run_uri), self.placed)
 
     def drop_snapshots(self, run_uri: str) -> None:
-        snapshot_holders.drop(self.client, run_key(run_uri))
+        snapshot_holders.drop(self.client, run_key(run_uri), self.placed)
 
     def _register(self, plugin, wait_s: float, failed) -> None:
         """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for
