@@ -21,7 +21,14 @@ from .protocol import PreemptionInfo
 from .result import TrainResult
 from .storage.checkpoint import Checkpoint
 from .storage.run_state import FailureRecord
-from .worker.session import TrainContext, get_checkpoint, get_context, get_preemption_info, report
+from .worker.session import (
+    TrainContext,
+    enable_jit_checkpoint,
+    get_checkpoint,
+    get_context,
+    get_preemption_info,
+    report,
+)
 from .worker.uploads import staging_dir
 
 __all__ = [
@@ -44,6 +51,7 @@ __all__ = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "enable_jit_checkpoint",
     "get_checkpoint",
     "get_context",
     "get_preemption_info",

@@ -142,6 +142,13 @@ class CheckpointConfig(_Config):
     checkpoint_score_order: Literal["max", "min"] = Field(
         "max", description="Whether a higher ('max') or lower ('min') score is better."
     )
+    snapshot_every: int | None = Field(
+        None,
+        ge=1,
+        description="Every this many reports, the state that report(snapshot=save) saves is held "
+        "in a peer worker's memory; a restart resumes from the newest snapshot every rank's of "
+        "which survived, when newer than the latest checkpoint. None: no snapshots.",
+    )
 
 
 class RunConfig(_Config):

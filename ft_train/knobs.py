@@ -23,6 +23,12 @@ MAX_IN_FLIGHT_UPLOADS = 2
 # Remote checkpoints kept in a node's download cache beyond those in use: the latest, and the
 # one a damaged latest falls back to.
 DOWNLOAD_CACHE_KEEP = 2
+# In-memory snapshot pieces a holder keeps per (run, rank): the newest round, and the one before
+# it, which is complete when a rank dies while the newest is still on its way.
+SNAPSHOTS_PER_RANK = 2
+# A snapshot piece's send (or fetch) to a holder that does not answer by then is given up: the
+# round is not held, and the run falls back to an older one, or to storage.
+SNAPSHOT_SEND_TIMEOUT_S = 10.0
 
 # -- on the driver ---------------------------------------------------------------------------
 

@@ -34,10 +34,11 @@ class FakeGroup:
 
     # -- the Group protocol ----------------------------------------------------------------------
 
-    def start(self, plan, checkpoint_dir, start_report_index, exclude) -> None:
+    def start(self, plan, checkpoint_dir, start_report_index, exclude, snapshot=None) -> None:
         usable = [w for w in self.cluster.workers if w not in exclude]
         self.addresses = usable[: plan.max_workers]
         self.started_from = (checkpoint_dir, start_report_index)
+        self.snapshot = snapshot
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
         self.stopped = True
@@ -125,6 +126,7 @@ class FakeCluster:
         self.grow = False  # what can_grow answers
         self.watching: list[float] = []
         self.warmed: list[tuple[str, ...]] = []
+        self.snapshots: list[dict[str, Any]] = []  # the pieces held_snapshots answers
 
     @property
     def group(self) -> FakeGroup:
@@ -145,3 +147,12 @@ class FakeCluster:
 
     def warm(self, modules: tuple[str, ...]) -> None:
         self.warmed.append(modules)
+
+    def hold_snapshots(self) -> None:
+        pass
+
+    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+        return list(self.snapshots)
+
+    def drop_snapshots(self, run_uri: str) -> None:
+        self.snapshots = []

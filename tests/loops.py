@@ -45,8 +45,12 @@ def fast_checkpoints(config):
     step's batch drawn from the step number, a checkpoint every `every` steps from rank 0 only
     (the other ranks attach none, as in Ray's guide) or from every rank (`sharded`), uploaded
     with `mode` ("sync" or "async"). Faults from `faults` (ft_train.testing.faults) at the top of a step:
-    at step s, right after report s returned."""
+    at step s, right after report s returned. `snapshot`: offer report() the same state as an
+    in-memory snapshot at every report (ft-train takes it every `snapshot_every`); `jit`: opt in
+    to a just-in-time save (every rank saves the whole replica as rank0.pt); `step_s`: seconds
+    of simulated compute a step."""
     import tempfile
+    import time
 
     import torch
 
@@ -67,8 +71,21 @@ def fast_checkpoints(config):
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     resumed_from = step
+
+    def state() -> dict:
+        return {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+    def save_snapshot(d: str) -> None:
+        if sharded or rank == 0:
+            torch.save(state(), os.path.join(d, f"rank{rank}.pt"))
+
+    snapshot = save_snapshot if config.get("snapshot") else None
+    if config.get("jit"):
+        ft_train.enable_jit_checkpoint(lambda d: torch.save(state(), os.path.join(d, "rank0.pt")))
     while step < steps:
         maybe_inject(config.get("faults"), rank, step)
+        if config.get("step_s"):
+            time.sleep(config["step_s"])  # the step's compute, not a synchronisation
         batch = torch.Generator().manual_seed(step * world + rank)
         x, y = torch.randn(16, 8, generator=batch), torch.randn(16, 4, generator=batch)
         loss = ((model(x) - y) ** 2).mean()
@@ -78,20 +95,17 @@ def fast_checkpoints(config):
         step += 1
         metrics = {"step": step, "loss": loss.item(), "resumed_from": resumed_from}
         if step % every and step < steps:
-            ft_train.report(metrics)
+            ft_train.report(metrics, snapshot=snapshot)
             continue
         with tempfile.TemporaryDirectory() as d:
             if sharded or rank == 0:
-                state = {
-                    "model": raw.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                }
-                torch.save(state, os.path.join(d, f"rank{rank}.pt"))
+                torch.save(state(), os.path.join(d, f"rank{rank}.pt"))
                 attached = ft_train.Checkpoint.from_directory(d)
             else:
                 attached = None
-            ft_train.report(metrics, checkpoint=attached, checkpoint_upload_mode=mode)
+            ft_train.report(
+                metrics, checkpoint=attached, checkpoint_upload_mode=mode, snapshot=snapshot
+            )
 
 
 def two_args(config, extra):

@@ -260,6 +260,7 @@ PUBLIC_API = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "enable_jit_checkpoint",
     "get_checkpoint",
     "get_context",
     "get_preemption_info",

@@ -36,6 +36,7 @@ from . import group_events
 from .callbacks import Callback, notify
 from .ports import Cluster, GroupPlan
 from .rounds import ReportRounds, Round
+from .snapshots import SnapshotRound, SnapshotTier
 from .state import (
     Attempt,
     Draining,
@@ -80,6 +81,8 @@ class Controller:
         self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}
         self.dead_workers: set[str] = set()  # killed or lost: never given a rank again
+        self.snapshots = SnapshotTier()  # which in-memory rounds a restart may take
+        self._run_uri = plan.storage.uri(plan.name)
         self.start_failures = 0  # groups in a row that failed before every rank had joined
         self._watching = self._warming = False
         self._segment: Segment | None = None  # a checkpoint committed by the last step
@@ -162,23 +165,39 @@ class Controller:
         attempt = len(self.state.attempts)
         if not self._watching:  # on every worker, and on those that join later
             self.cluster.watch_preemption(self.failure_config.preemption_grace_s)
+            self.cluster.hold_snapshots()
             self._watching = True
-        group = self.cluster.new_group(attempt, self.events, self.plan.storage.uri(self.plan.name))
-        group.start(self.plan, self.state.latest, self.state.report_index, self.dead_workers)
+        group = self.cluster.new_group(attempt, self.events, self._run_uri)
+        snap = self._snapshot_to_restore()
+        start = snap.index if snap is not None else self.state.report_index
+        group.start(
+            self.plan, self.state.latest, start, self.dead_workers, snap.spec() if snap else None
+        )
+        self.snapshots.started(group.attempt_id, snap)
         record = AttemptRecord(
             attempt=attempt,
             attempt_id=group.attempt_id,
             world_size=len(group.addresses),
             restored_from=self.state.latest,
-            start_report_index=self.state.report_index,
+            start_report_index=start,
+            restored_snapshot=snap.name if snap else None,
         )
         self.state.attempts.append(record)
         self.state.status = "running"
         self.store.save(self.state)
         where = f"checkpoint {self.state.latest}" if self.state.latest else "scratch"
+        where = f"in-memory {snap.name}" if snap is not None else where
         self.log(f"attempt {attempt}: {len(group.addresses)} ranks started from {where}")
         notify(self.callbacks, "on_attempt_started", record)
-        return Running(Attempt(group, ReportRounds(len(group.addresses), self.state.report_index)))
+        return Running(Attempt(group, ReportRounds(len(group.addresses), start)))
+
+    def _snapshot_to_restore(self) -> SnapshotRound | None:
+        """The newest complete snapshot round of this driver's lineage newer than the latest
+        checkpoint on storage, if the holders still have one (`controller.snapshots`)."""
+        if not self.snapshots.lineage:
+            return None
+        held = self.cluster.held_snapshots(self._run_uri)
+        return self.snapshots.choose(held, self.state.report_index)
 
     def _warm_workers(self) -> None:
         """Once the first group is up, have every worker import torch and `cluster.preload` (the
@@ -242,6 +261,7 @@ class Controller:
     def _finished(self, attempt: Attempt) -> State:
         attempt.group.release()
         attempt.group.read_journals()  # every report arrived: the journals only take room now
+        self.cluster.drop_snapshots(self._run_uri)  # and the snapshots
         self.state.status = "finished"
         self.state.final_metrics = self.last_metrics
         self.store.save(self.state)
@@ -333,6 +353,7 @@ class Controller:
             )
             self.state.status, self.state.error = "failed", text
             self.store.save(self.state)
+            self.cluster.drop_snapshots(self._run_uri)
         else:
             self._stop_now()
         return Errored(error)

@@ -137,6 +137,8 @@ def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) ->
     """Fail the group, unless the rank found the checkpoint it restores from damaged and an
     earlier one is kept: then restart from that one."""
     ctl.warn(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
+    if exc.damaged is not None and ctl.snapshots.unusable(exc.damaged):
+        return _snapshot_unusable(ctl, s, rank, exc)
     state = ctl.state
     if exc.damaged is None or exc.damaged != ctl.manager.latest_uri(state):
         return ctl.fail(s, rank, "exception", exc.error, step=exc.step)
@@ -151,6 +153,23 @@ def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) ->
             step=exc.step,
         )
     return _fall_back(ctl, s, rank, exc, earlier)
+
+
+def _snapshot_unusable(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) -> State:
+    """A piece of the snapshot round the group restored from was gone or damaged when a rank
+    fetched it: restart from the next newest round, or storage; not charged (the tier is a bonus
+    above storage, and each round is given up once, so this cannot loop)."""
+    ctl.dead_workers |= s.attempt.group.stop(grace_s=ctl.stop_grace_s)
+    return ctl.judge(
+        FailureRecord(
+            kind="exception",
+            rank=rank,
+            step=exc.step,
+            error=f"{exc.error}; the run goes on from an older snapshot or from storage",
+            attempt=s.attempt.group.attempt,
+            charged=False,
+        )
+    )
 
 
 def _fall_back(ctl: Controller, s: GroupState, rank: int, exc: RankFailure, earlier: list) -> State:

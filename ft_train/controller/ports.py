@@ -29,6 +29,7 @@ class GroupPlan:
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     elastic_wait_s: float  # ScalingConfig.elastic_wait_s
     warm: tuple[str, ...] = ()  # modules each worker imports beyond torch (ClusterConfig.preload)
+    snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
 
 
 class Group(Protocol):
@@ -45,6 +46,7 @@ class Group(Protocol):
         checkpoint_dir: str | None,
         start_report_index: int,
         exclude: set[str],
+        snapshot: dict[str, Any] | None = None,
     ) -> None: ...
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
@@ -80,3 +82,13 @@ class Cluster(Protocol):
     def warm(self, modules: tuple[str, ...]) -> None:
         """Have every worker import `modules` (in the background)."""
         ...
+
+    def hold_snapshots(self) -> None:
+        """Have every worker's nanny (and those that join later) hold snapshot pieces."""
+        ...
+
+    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+        """The snapshot pieces held for the run, each checked (`worker.snapshot_store`)."""
+        ...
+
+    def drop_snapshots(self, run_uri: str) -> None: ...

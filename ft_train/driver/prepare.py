@@ -320,6 +320,7 @@ def make_controller(
         collective_timeout_s=plan.run_config.failure_config.collective_timeout_s,
         agreement_interval_s=plan.run_config.failure_config.agreement_interval_s,
         warm=tuple(warm),
+        snapshot_every=plan.run_config.checkpoint_config.snapshot_every,
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     try:

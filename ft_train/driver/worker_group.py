@@ -38,7 +38,9 @@ from ..worker.journal import run_key
 from ..worker.preemption import PreemptionWatcher
 from ..worker.rank import run_rank
 from ..worker.session import RankSpec
+from ..worker.snapshot_store import SnapshotHolder, SnapshotWorkerHolder
 from ..worker.warm import WarmImports
+from . import snapshot_holders
 from .placement import await_workers, more_workers_available
 
 logger = logging.getLogger("ft_train")
@@ -63,6 +65,7 @@ class WorkerGroup:
         self.hosts: dict[str, str] = {}
         self.futures: list = []
         self.stopped = False
+        self.placed: set[str] = set()  # the snapshot holders given to ranks (the cluster's set)
 
     def start(
         self,
@@ -70,9 +73,12 @@ class WorkerGroup:
         checkpoint_dir: str | None,
         start_report_index: int,
         exclude: set[str],
+        snapshot: dict[str, Any] | None = None,
     ) -> None:
         addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
+        holders = snapshot_holders.place_holders(addrs, info)
+        self.placed.update(h for h in holders if h)
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
         self.hosts = {a: info[a]["host"] for a in addrs}
@@ -84,6 +90,7 @@ class WorkerGroup:
         master = (self.hosts[addrs[0]], ports[addrs[0]])  # rank 0's worker hosts the rendezvous
         for rank, addr in enumerate(addrs):
             spec = self._spec(plan, rank, master, checkpoint_dir, start_report_index)
+            spec.snapshot, spec.snapshot_holder = snapshot, holders[rank]
             gpu = plan.use_gpu and info[addr].get("resources", {}).get("GPU")
             fut = self.client.submit(
                 run_rank,
@@ -130,6 +137,7 @@ class WorkerGroup:
             topic=self.topic,
             collective_timeout_s=plan.collective_timeout_s,
             agreement_interval_s=plan.agreement_interval_s,
+            snapshot_every=plan.snapshot_every,
         )
 
     def _on_reports(self, event: tuple) -> None:
@@ -303,9 +311,14 @@ class DaskCluster:
 
     def __init__(self, client: Client):
         self.client = client
+        # Holders given to ranks: a holder whose worker the scheduler dropped (its nanny is
+        # restarting it) is asked too, though not listed until the new worker joins.
+        self.placed: set[str] = set()
 
     def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
-        return WorkerGroup(self.client, attempt, events, run_uri)
+        group = WorkerGroup(self.client, attempt, events, run_uri)
+        group.placed = self.placed
+        return group
 
     def alive(self) -> set[str]:
         return set(self.client.scheduler_info(n_workers=-1)["workers"])
@@ -320,6 +333,17 @@ class DaskCluster:
     def warm(self, modules: tuple[str, ...]) -> None:
         # the run may be over before it is done: no matter, the workers only start cold
         self._register(WarmImports(modules), 0.0, logger.debug)
+
+    def hold_snapshots(self) -> None:
+        # not waited for: the first snapshot comes after the ranks' start, which takes longer
+        self._register(SnapshotHolder(), 0.0, logger.warning)
+        self._register(SnapshotWorkerHolder(), 0.0, logger.warning)
+
+    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+        return snapshot_holders.held(self.client, run_key(run_uri), self.placed)
+
+    def drop_snapshots(self, run_uri: str) -> None:
+        snapshot_holders.drop(self.client, run_key(run_uri), self.placed)
 
     def _register(self, plugin, wait_s: float, failed) -> None:
         """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for

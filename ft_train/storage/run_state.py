@@ -89,6 +89,7 @@ class AttemptRecord(_Doc):
     restored_from: str | None = None  # checkpoint dir_name, None on a fresh start
     start_report_index: int = 0
     started_at: datetime = Field(default_factory=now)
+    restored_snapshot: str | None = None  # an in-memory snapshot round newer than restored_from
 
 
 class RunState(_Doc):

@@ -28,6 +28,7 @@ from ..errors import (
     SessionError,
     TrainLoopImportError,
 )
+from ..policy.attribution import lost_a_peer
 from ..protocol import Message, Report, Started
 from . import session as _session
 from .devices import host_devices, pick_device, torchrun_environ
@@ -259,6 +260,8 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
         error = f"{type(e).__name__}: {e}"
         # a broken contract (ConfigError, SessionError): no retry can fix it
         fatal = isinstance(e, (ConfigError, SessionError))
+        if not fatal and lost_a_peer(error):  # a peer failed first: save just in time, if opted in
+            session.snapshots.jit(session.report_index)
         # the rounds whose uploads are pending were reported: let them finish (journaled)
         session.stopped(knobs.FAIL_FLUSH_S)
         raise RankFailure(spec.rank, session.report_index, error, tb, fatal, _damaged(e)) from None

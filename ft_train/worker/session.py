@@ -54,6 +54,7 @@ from ..storage.checkpoint_manager import checkpoint_dir_name
 from ..storage.fs import Storage
 from . import preemption
 from .journal import Journal
+from .snapshots import RankSnapshots, Saver
 from .uploads import Uploads
 
 
@@ -82,6 +83,9 @@ class RankSpec:
     collective_timeout_s: float  # FailureConfig.collective_timeout_s
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     extra: dict[str, Any] = field(default_factory=dict)
+    snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
+    snapshot_holder: str | None = None  # who holds this rank's snapshots (`snapshot_store`)
+    snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
 
 
 class TrainContext:
@@ -184,9 +188,12 @@ class Session:
         self._next_agreement = spec.start_report_index + 1  # the next one starts at this report
         self.agreements = 0  # started so far
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
+        self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.worker.snapshots`)
 
     def checkpoint(self) -> Checkpoint | None:
         s = self.spec
+        if s.snapshot is not None:  # a snapshot round newer than the latest on storage
+            return self.snapshots.restored(s.snapshot)
         if s.checkpoint_dir is None:
             return None
         return Checkpoint(s.storage.uri(f"{s.name}/{s.checkpoint_dir}"), s.storage.options)
@@ -196,6 +203,7 @@ class Session:
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None = None,
         checkpoint_upload_mode: UploadMode = "sync",
+        snapshot: Saver | None = None,
     ) -> None:
         metrics = _jsonable(metrics)
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
@@ -214,6 +222,7 @@ class Session:
         msg = Report(s.rank, self.report_index, metrics)
         if self.control is not None:
             msg = self._agree(msg)
+        self.snapshots.offer(snapshot, self.report_index)
         if checkpoint is not None:
             dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
             msg, remote = replace(msg, dir_name=dir_name), f"{s.name}/{dir_name}"
@@ -314,7 +323,8 @@ class Session:
     def stopped(self, timeout_s: float = knobs.STOP_FLUSH_S) -> None:
         """The group is stopping (the driver's GroupStop, or a failure): give the pending
         uploads `timeout_s` to finish, so the rounds they complete can still be committed (the
-        driver reads them from the journal), then drop the rest."""
+        driver reads them from the journal), then drop the rest; a snapshot on its way too."""
+        self.snapshots.wait(timeout_s)
         if self._uploads is not None:
             try:
                 self._uploads.flush(timeout=timeout_s)
@@ -326,6 +336,7 @@ class Session:
         """The rank is leaving: drop the uploads still pending and remove their snapshots."""
         if self._uploads is not None:
             self._uploads.close(timeout=1.0)
+        self.snapshots.close()
 
 
 _UNEQUAL = (
@@ -368,15 +379,21 @@ def get_preemption_info() -> PreemptionInfo | None:
     return _current().preemption
 
 
+def enable_jit_checkpoint(save: Saver) -> None:
+    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`)."""
+    _current().snapshots.jit_saver = save
+
+
 def report(
     metrics: dict[str, Any],
     checkpoint: Checkpoint | None = None,
     checkpoint_upload_mode: UploadMode = "sync",
+    snapshot: Saver | None = None,
 ) -> None:
     """Report this step's metrics, optionally with a checkpoint. See the module docstring.
 
     `checkpoint_upload_mode`: "sync" uploads the checkpoint before report() returns; "async"
     snapshots its directory (hard links) and uploads it in the background, at most two at a
     time (report() waits beyond that). Either way the checkpoint is committed only once every
-    file of its round is stored."""
-    _current().report(metrics, checkpoint, checkpoint_upload_mode)
+    file of its round is stored. `snapshot`: see `ft_train.worker.snapshots`."""
+    _current().report(metrics, checkpoint, checkpoint_upload_mode, snapshot)

@@ -1,0 +1,93 @@
+"""Which in-memory snapshot round a restart restores from, if any (`ft_train.worker.snapshots`).
+
+The holders say what they hold (`Cluster.held_snapshots`), each piece's checksum checked again
+as they answer. A round is one attempt's pieces at one report index, never pieces of two
+attempts. A snapshot round is complete when every rank of its attempt has a piece of it, held
+and matching its sha256; a just-in-time round (saved by the survivors of a failure) when at
+least one survivor's piece is, all of them matching. The restart takes the newest complete
+round newer than the latest checkpoint on storage (a snapshot round before a just-in-time one
+at the same index), else storage.
+
+Only the attempts of this driver's current lineage count: the attempt that ran last, and those
+before it back to the one that restored from storage. A round of an attempt that a restart from
+storage abandoned belongs to another history, even where its holders still answer; and a new
+driver starts from storage, as it always has.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("ft_train")
+
+
+@dataclass(frozen=True)
+class SnapshotRound:
+    attempt_id: str
+    index: int
+    kind: str  # "snapshot" or "jit"
+    pieces: tuple[dict[str, Any], ...]  # holder, rank, sha256, size, ... (snapshot_store)
+
+    def spec(self) -> dict[str, Any]:
+        """What each rank of the next group is started with (`RankSpec.snapshot`)."""
+        return {"attempt_id": self.attempt_id, "index": self.index, "pieces": list(self.pieces)}
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.index} of attempt {self.attempt_id[:8]}"
+
+
+def complete_rounds(held: list[dict[str, Any]]) -> list[SnapshotRound]:
+    """Every complete round in `held` (the holders' answers), newest first."""
+    by_round: dict[tuple[str, int, str], dict[int, dict[str, Any]]] = {}
+    damaged: set[tuple[str, int, str]] = set()
+    for p in held:
+        key = (p["attempt_id"], p["index"], p["kind"])
+        if not p["ok"]:
+            damaged.add(key)
+            logger.warning(
+                "ft-train: %s %d of rank %d is damaged", p["kind"], p["index"], p["rank"]
+            )
+        by_round.setdefault(key, {})[p["rank"]] = p
+    rounds = []
+    for key, pieces in by_round.items():
+        attempt_id, index, kind = key
+        world = max(p["world_size"] for p in pieces.values())
+        everyone = set(pieces) == set(range(world))
+        if key not in damaged and (everyone or kind == "jit"):
+            ordered = tuple(pieces[r] for r in sorted(pieces))
+            rounds.append(SnapshotRound(attempt_id, index, kind, ordered))
+    return sorted(rounds, key=lambda r: (r.index, r.kind == "snapshot"), reverse=True)
+
+
+@dataclass
+class SnapshotTier:
+    """The controller's view: the lineage of attempts whose rounds a restart may take, and the
+    rounds found unusable (a piece gone or damaged when a rank fetched it)."""
+
+    lineage: list[str] = field(default_factory=list)
+    bad: set[tuple[str, int, str]] = field(default_factory=set)
+
+    def choose(self, held: list[dict[str, Any]], newer_than: int) -> SnapshotRound | None:
+        """The round to restore from: the newest complete one of the lineage, newer than the
+        latest checkpoint on storage (report index `newer_than`); None: from storage."""
+        ours = [p for p in held if p["attempt_id"] in self.lineage]
+        for rnd in complete_rounds(ours):
+            if rnd.index > newer_than and (rnd.attempt_id, rnd.index, rnd.kind) not in self.bad:
+                return rnd
+        return None
+
+    def started(self, attempt_id: str, restored: SnapshotRound | None) -> None:
+        """A group started: from `restored`, else from storage (a new lineage)."""
+        self.lineage = [*self.lineage, attempt_id] if restored is not None else [attempt_id]
+
+    def unusable(self, where: str) -> bool:
+        """A rank found the round at `where` (snapshot://attempt_id/index) unusable; False if
+        `where` is not a snapshot round's."""
+        if not where.startswith("snapshot://"):
+            return False
+        attempt_id, index = where[len("snapshot://") :].rsplit("/", 1)
+        self.bad |= {(attempt_id, int(index), k) for k in ("snapshot", "jit")}
+        return True

@@ -1,0 +1,175 @@
+"""The holder's side of the in-memory snapshot tier: the pieces a peer's ranks sent, in memory.
+
+A rank's snapshot piece (its saved directory, packed as one tar blob) is held by a peer
+worker's *nanny*: a different process from the rank, which outlives its worker as the journals'
+reader does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses
+no piece, and neither does a peer worker killed while the group stops. A worker without a nanny
+holds them itself. The `SnapshotHolder` plugins add four handlers to the holder's Dask server,
+reached over Dask's own comms (`Server.rpc`):
+
+    ft_train_snapshot_put       store one piece, after checking its sha256
+    ft_train_snapshot_describe  what is held for a run, each piece's checksum checked again
+    ft_train_snapshot_get       one piece's bytes
+    ft_train_snapshot_drop      forget a run
+
+Bounded: at most `knobs.SNAPSHOTS_PER_RANK` pieces per (run, rank), the oldest received dropped
+first, whatever attempt sent them (a round is identified by its attempt id and report index,
+so pieces of two attempts are never taken for one round: `controller.snapshots`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
+from distributed.protocol import to_serialize
+
+from .. import knobs
+
+logger = logging.getLogger("ft_train")
+
+HANDLERS = ("put", "describe", "get", "drop")
+
+# holder address -> its store: the holders in this process (a local cluster's nannies run in
+# the driver's process), for a test or a measurement that looks at what they hold.
+STORES: dict[str, SnapshotStore] = {}
+
+
+def digest(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+@dataclass
+class HeldPiece:
+    attempt_id: str
+    rank: int
+    index: int
+    kind: str  # "snapshot" (every rank's, every N reports) or "jit" (a survivor's, on a failure)
+    world_size: int
+    sha256: str  # as the rank computed it before sending
+    blob: bytes
+
+    def info(self, holder: str, check: bool) -> dict[str, Any]:
+        ok = digest(self.blob) == self.sha256 if check else True
+        return {
+            "holder": holder,
+            "attempt_id": self.attempt_id,
+            "rank": self.rank,
+            "index": self.index,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "size": len(self.blob),
+            "sha256": self.sha256,
+            "ok": ok,
+        }
+
+
+class SnapshotStore:
+    """One holder's pieces; its handlers run on the holder's event loop (the lock: a test
+    reads it from another thread)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.pieces: dict[tuple[str, int], deque[HeldPiece]] = {}  # (run, rank) -> oldest first
+        self.peak_bytes = 0  # the most held at once, since this store began
+        self._lock = threading.Lock()
+
+    def put(self, run: str, piece: dict[str, Any], blob: Any) -> dict[str, Any]:
+        blob = bytes(blob)
+        if digest(blob) != piece["sha256"]:
+            return {"status": "damaged", "why": "the piece does not match its sha256"}
+        held = HeldPiece(blob=blob, **{k: piece[k] for k in _FIELDS})
+        with self._lock:
+            slot = self.pieces.setdefault((run, held.rank), deque())
+            slot.append(held)
+            while len(slot) > knobs.SNAPSHOTS_PER_RANK:
+                slot.popleft()
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+        return {"status": "OK"}
+
+    def describe(self, run: str) -> list[dict[str, Any]]:
+        with self._lock:
+            held = [p for (r, _), slot in self.pieces.items() if r == run for p in slot]
+        return [p.info(self.address, check=True) for p in held]
+
+    def get(self, run: str, attempt_id: str, rank: int, index: int, kind: str) -> Any:
+        with self._lock:
+            for p in self.pieces.get((run, rank), ()):
+                if (p.attempt_id, p.index, p.kind) == (attempt_id, index, kind):
+                    return {"status": "OK", "blob": to_serialize(p.blob)}
+        return {"status": "missing"}
+
+    def drop(self, run: str) -> int:
+        with self._lock:
+            gone = [k for k in self.pieces if k[0] == run]
+            for k in gone:
+                del self.pieces[k]
+        return len(gone)
+
+    def held_bytes(self, run: str | None = None) -> int:
+        return sum(
+            len(p.blob)
+            for (r, _), slot in list(self.pieces.items())
+            if run is None or r == run
+            for p in slot
+        )
+
+    def held_pieces(self, run: str) -> dict[int, list[int]]:
+        """rank -> the report indexes held for it (a measurement's view)."""
+        with self._lock:
+            return {k[1]: [p.index for p in s] for k, s in self.pieces.items() if k[0] == run}
+
+
+_FIELDS = ("attempt_id", "rank", "index", "kind", "world_size", "sha256")
+
+
+def _install(server) -> None:
+    store = SnapshotStore(server.address)
+    server.handlers.update(
+        {
+            "ft_train_snapshot_put": store.put,
+            "ft_train_snapshot_describe": store.describe,
+            "ft_train_snapshot_get": store.get,
+            "ft_train_snapshot_drop": store.drop,
+        }
+    )
+    STORES[server.address] = store
+
+
+def _uninstall(server) -> None:
+    for name in HANDLERS:
+        server.handlers.pop(f"ft_train_snapshot_{name}", None)
+    STORES.pop(server.address, None)
+
+
+class SnapshotHolder(NannyPlugin):
+    """On every nanny (and those that join later): holds the pieces sent to it."""
+
+    name = "ft-train-snapshot-holder"
+    idempotent = True  # a later run on the same cluster keeps what the nannies hold
+
+    def setup(self, nanny) -> None:
+        _install(nanny)
+
+    def teardown(self, nanny) -> None:
+        _uninstall(nanny)
+
+
+class SnapshotWorkerHolder(WorkerPlugin):
+    """On a worker without a nanny (`dask worker --no-nanny`): it holds the pieces itself."""
+
+    name = "ft-train-snapshot-worker-holder"
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        if worker.nanny is None:
+            _install(worker)
+
+    def teardown(self, worker) -> None:
+        if worker.nanny is None:
+            _uninstall(worker)

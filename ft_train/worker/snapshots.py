@@ -1,0 +1,219 @@
+"""The rank's side of the in-memory snapshot tier: take a snapshot, send it to its holder in the
+background, save just in time when a peer fails, and restore a round.
+
+`report(..., snapshot=save)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
+calls `save(directory)`, packs what it wrote into one tar blob (its *piece* of the round) and
+returns; a thread sends the piece, with its sha256, to the rank's holder (a peer worker's
+nanny, `snapshot_store`) over Dask's comms. One piece is in flight at a time: the next snapshot
+waits for the previous send, so once report() returns at a snapshot round, the rank's piece of
+the round before is held (or its send failed, which is logged: snapshots are a tier above the
+checkpoints on storage, never in place of them).
+
+`enable_jit_checkpoint(save)`: when this rank fails because a peer went away (its collective
+saw the closed connection), it calls `save(directory)` and sends the piece, waited for, before
+it leaves; the piece stands for the state at its last report. The rank that failed first does
+nothing extra. A restart restores from such a piece when nothing newer exists.
+
+A restore fetches every piece of the round the driver chose, checks each against its sha256
+and unpacks them into one local directory (the lowest rank's file wins where two ranks wrote
+the same name): what `get_checkpoint()` returns, as from storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .. import knobs
+from ..errors import CheckpointDamagedError, SessionError
+from ..storage.checkpoint import Checkpoint
+from .journal import journal_root, run_key
+from .snapshot_store import digest
+
+if TYPE_CHECKING:
+    from .session import RankSpec
+
+logger = logging.getLogger("ft_train")
+
+Saver = Callable[[str], Any]  # save(directory): write this rank's state into it
+
+
+def _scratch() -> str:
+    """Where a snapshot is written before it is packed: memory where the node has it."""
+    return os.path.dirname(journal_root())
+
+
+def pack(save: Saver) -> bytes:
+    """Call `save` into a fresh directory and return what it wrote as one tar blob."""
+    if not callable(save):
+        raise SessionError(
+            f"report(snapshot={save!r}) takes a function save(directory) that writes this rank's "
+            "state into the directory (called only at the reports a snapshot is taken)"
+        )
+    d = tempfile.mkdtemp(prefix="ft-train-snapshot-", dir=_scratch())
+    try:
+        save(d)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(d, arcname=".")
+        return buf.getvalue()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class RankSnapshots:
+    """One rank's snapshots. `holder`: its holder's address (None: the tier is off)."""
+
+    def __init__(
+        self, run: str, attempt_id: str, rank: int, world: int, holder: str | None, every: int
+    ):
+        self.run, self.attempt_id, self.rank, self.world = run, attempt_id, rank, world
+        self.holder, self.every = holder, every
+        self.jit_saver: Saver | None = None
+        self.sent = self.failed = 0
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._restored: str | None = None
+        self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
+        if self._worker is None:
+            self.holder = None  # not on a Dask worker: no tier
+
+    @classmethod
+    def of(cls, spec: RankSpec) -> RankSnapshots:
+        run = run_key(spec.storage.uri(spec.name))
+        every = spec.snapshot_every or 0
+        return cls(run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holder, every)
+
+    def offer(self, save: Saver | None, index: int) -> None:
+        """report() `index` with `snapshot=save`: take a snapshot if one is due."""
+        if save is None or self.holder is None or not self.every or index % self.every:
+            return
+        blob = pack(save)
+        self.wait()  # one piece in flight: the previous one is held (or failed) before the next
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
+        self._pending = self._executor.submit(self._send, blob, index, "snapshot")
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result(timeout)
+            except TimeoutError:
+                return  # still sending; a failing rank gives up on it
+            self._pending = None
+
+    def jit(self, index: int) -> None:
+        """This rank failed because a peer went away: save just in time, if the function opted
+        in, and wait (bounded) until the holder has the piece."""
+        if self.jit_saver is None or self.holder is None:
+            return
+        try:
+            blob = pack(self.jit_saver)
+        except Exception as e:  # the rank fails anyway, with its own error; the save is lost
+            logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
+            return
+        self.wait(knobs.FAIL_FLUSH_S)
+        self._send(blob, index, "jit")
+
+    def _send(self, blob: bytes, index: int, kind: str) -> None:
+        from distributed.protocol import to_serialize
+
+        piece = {
+            "attempt_id": self.attempt_id,
+            "rank": self.rank,
+            "index": index,
+            "kind": kind,
+            "world_size": self.world,
+            "sha256": digest(blob),
+        }
+        try:
+            answer = _call(
+                self._worker, self.holder, "put", run=self.run, piece=piece, blob=to_serialize(blob)
+            )
+            ok = isinstance(answer, dict) and answer.get("status") == "OK"
+        except Exception as e:  # the holder is gone or silent: this round is not held
+            answer, ok = repr(e), False
+        if ok:
+            self.sent += 1
+        else:
+            self.failed += 1
+            logger.warning(
+                "ft-train: rank %d: %s %d not held by %s: %s",
+                *(self.rank, kind, index, self.holder, answer),
+            )
+
+    def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
+        """The round `snapshot` (the driver's choice) in a local directory, fetched once."""
+        if self._restored is None:
+            out = tempfile.mkdtemp(prefix="ft-train-restored-")
+            try:
+                for piece in sorted(snapshot["pieces"], key=lambda p: -p["rank"]):
+                    _unpack(self._fetch(snapshot, piece), out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            self._restored = out
+        return Checkpoint.from_directory(self._restored)
+
+    def _fetch(self, snapshot: dict[str, Any], piece: dict[str, Any]) -> bytes:
+        where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
+        try:
+            answer = _call(
+                self._worker,
+                piece["holder"],
+                "get",
+                run=self.run,
+                **{k: piece[k] for k in ("attempt_id", "rank", "index", "kind")},
+            )
+        except Exception as e:  # gone since the driver chose: the run falls back
+            answer = {"status": repr(e)}
+        if not isinstance(answer, dict) or answer.get("status") != "OK":
+            why = answer.get("status") if isinstance(answer, dict) else answer
+            raise CheckpointDamagedError(
+                f"{where}: rank {piece['rank']}'s piece is no longer held ({why})", where
+            )
+        blob = bytes(answer["blob"])
+        if digest(blob) != piece["sha256"]:
+            raise CheckpointDamagedError(
+                f"{where}: rank {piece['rank']}'s piece does not match its sha256", where
+            )
+        return blob
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._restored is not None:
+            shutil.rmtree(self._restored, ignore_errors=True)
+
+
+def _unpack(blob: bytes, out: str) -> None:
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(out, filter="data")
+
+
+def _this_worker() -> Any:
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:  # a rank run outside Dask (a unit test's)
+        return None
+
+
+def _call(worker: Any, address: str | None, op: str, **kwargs: Any) -> Any:
+    """`op` on a holder, over the rank's worker's Dask connection pool, from any thread."""
+
+    async def call() -> Any:
+        handler = getattr(worker.rpc(address), f"ft_train_snapshot_{op}")
+        return await asyncio.wait_for(handler(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
+
+    loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]  # tornado's AsyncIOLoop
+    return asyncio.run_coroutine_threadsafe(call(), loop).result()
