@@ -6,6 +6,8 @@
     ft-train status   print a stored run (status, checkpoints, failures, metrics, the config
                       it last trained with, the driver that holds it); reads storage only
     ft-train list     one line per run under a storage path; reads storage only (`cli/runs.py`)
+    ft-train automations install
+                      the Prefect automations that rerun a crashed driver (`cli/automations.py`)
 
 Exit codes: 0 success, 1 a failed or missing run, 2 bad arguments, 130 interrupted.
 """
@@ -17,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import demo, runs
+from . import automations, demo, runs
 from .common import EXIT_FAILED
 
 
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(commands)
     runs.add_parsers(commands)
+    automations.add_parser(commands)
     return parser
 
 
