@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -100,11 +101,13 @@ def _api(env: dict) -> str:
     return env["PREFECT_API_URL"]
 
 
-def _run(env: dict, deployment: str, parameters: dict) -> str:
+def _run(env: dict, deployment: str, parameters: dict, job_variables: dict | None = None) -> str:
     """`prefect deployment run` with these parameters; the flow run's id."""
     args = ["deployment", "run", deployment]
     for key, value in parameters.items():
         args += ["--param", f"{key}={json.dumps(value)}"]
+    for key, value in (job_variables or {}).items():
+        args += ["--job-variable", f"{key}={json.dumps(value)}"]
     out = _cli(args, env, timeout_s=120).stdout
     match = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert match, out
@@ -196,6 +199,38 @@ def test_a_driver_killed_every_time_stops_after_the_restart_budget(deployed, tmp
     assert result.status == "failed" and "max_driver_restarts" in str(result.error)
     assert [f.kind for f in result.failures] == ["driver_crash", "driver_crash"]
     assert all(not f.charged for f in result.failures)  # max_failures is not spent by them
+
+
+@pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
+def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_path):
+    """The flow-run process cannot import the flow (here: its environment shadows torch with a
+    package that fails to import): Crashed before the flow ran. A rerun would crash the same
+    way, so none starts (the reruns above start within seconds of a crash)."""
+    env, worker_log = deployed
+    broken = tmp_path / "site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken environment')\n")
+    demo = httpx.get(f"{_api(env)}/deployments/name/ft-train/demo", timeout=10).json()
+    before = {r["id"] for r in _deployment_runs(env, demo["id"])}
+    parameters = _fast(str(tmp_path / "runs"), f"broken-{uuid.uuid4().hex[:6]}")
+    first = _run(env, "ft-train/demo", parameters, {"env": {"PYTHONPATH": str(broken.parent)}})
+    crashed = wait_for(
+        lambda: _state(env, first) in ("CRASHED", "FAILED", "COMPLETED"), 240, _tail(worker_log)
+    )
+    assert crashed and _state(env, first) == "CRASHED", _tail(worker_log)
+    flow_run = httpx.get(f"{_api(env)}/flow_runs/{first}", timeout=10).json()
+    assert flow_run["run_count"] == 0  # the flow never ran
+    assert "a broken environment" in _tail(worker_log, 20000)
+    deadline = time.monotonic() + 30  # a bounded wait for nothing to happen
+    while time.monotonic() < deadline:
+        others = {r["id"] for r in _deployment_runs(env, demo["id"])} - before - {first}
+        assert not others, f"a rerun started: {others}"
+        time.sleep(1)
+
+
+def _deployment_runs(env: dict, deployment_id: str) -> list[dict]:
+    body = {"deployments": {"id": {"any_": [deployment_id]}}}
+    return httpx.post(f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
 
 
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
