@@ -9,6 +9,8 @@
                       it last trained with, the driver that holds it); reads storage only
     ft-train list     a table of the runs under a storage path; reads storage only
                       (`cli/runs.py`); both with --json for scripts
+    ft-train automations install
+                      the Prefect automations that rerun a crashed driver (`cli/automations.py`)
 
 Exit codes: 0 success, 1 a failed or missing run, 2 bad arguments, 130 interrupted.
 """
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from . import demo, run, runs
+from . import automations, demo, run, runs
 from .common import EXIT_FAILED
 
 
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(commands)
     demo.add_parser(commands)
     runs.add_parsers(commands)
+    automations.add_parser(commands)
     return parser
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import Flow
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run
 
 import ft_train
 from flows import ephemeral
@@ -23,6 +25,7 @@ from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_fo
 from ft_train.driver.lease import live_holder
 from ft_train.driver.prepare import interrupt_or, loop_config, make_controller, peek
 from ft_train.errors import ConfigError
+from ft_train.run_name import is_template, render
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from ft_train.worker.rank import load_train_loop
@@ -49,6 +52,7 @@ def train_fn(
         cluster: a local Dask cluster (default), a cluster class ft-train starts, the address
             of an existing one, or (a Python call) a live cluster object.
     """
+    run_config = scheduled(run_config)  # a name template: this flow run's slot's name
     run_config = with_credentials(run_config)  # after Prefect stored the parameters
     check_fits(cluster, scaling_config)
     check_scheduler(cluster)  # before prepare_run: a wrong address leaves the storage untouched
@@ -78,6 +82,20 @@ def train_fn(
     return finalize(plan, view)
 
 
+def scheduled(run: ft_train.RunConfig) -> ft_train.RunConfig:
+    """`run` with its name rendered from this flow run's scheduled start time, where the name is
+    a template (`ft_train.run_name`); the flow run is named so too (`_flow_run_name`)."""
+    if not is_template(run.name):
+        return run
+    return run.model_copy(update={"name": render(run.name, flow_run.scheduled_start_time)})
+
+
+def _flow_run_name() -> str:
+    context = FlowRunContext.get()
+    run = context.parameters["run_config"] if context and context.parameters else None
+    return scheduled(parse(ft_train.RunConfig, run, "run_config")).name
+
+
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     """Will the call train nothing: has the run finished, does `run.resume` refuse it (by the
     run's existence; a changed config is found later), or is another driver training it? A
@@ -86,7 +104,7 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     remote storage that cannot be reached (S3: 10 s of retries) would delay the call, then the
     flow's own read would fail after as long again."""
     storage = Storage(run.storage_path, run.storage_options)
-    if not storage.is_local:
+    if not storage.is_local or is_template(run.name):
         return False
     state = peek(run, storage, RunStore(storage, run.name))  # raises for a run that cannot start
     if state is None:
@@ -143,6 +161,4 @@ def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, An
 
 
 # No result persisted: the result's checkpoints carry the storage options, credentials included.
-train = _TrainFlow(
-    train_fn, name="ft-train", flow_run_name="{run_config.name}", persist_result=False
-)
+train = _TrainFlow(train_fn, name="ft-train", flow_run_name=_flow_run_name, persist_result=False)

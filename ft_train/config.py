@@ -20,6 +20,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from . import run_name
 from .cluster_config import ClusterConfig
 from .errors import ConfigError
 from .storage import credentials
@@ -37,6 +38,9 @@ DEFAULT_STORAGE_PATH = "~/ft_train_results"
 
 # A run name becomes one path segment under storage_path: it must not be able to leave it.
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,@:-]{0,199}$")
+# ... or it is a template with {scheduled_start:FORMAT} fields (`run_name.py`): checked rendered.
+_FIELD = r"\{scheduled_start(?::[A-Za-z0-9%._=+,@:-]*)?\}"
+_NAME_OR_TEMPLATE = rf"^(?:[A-Za-z0-9]|{_FIELD})(?:[A-Za-z0-9._=+,@:-]|{_FIELD}){{0,199}}$"
 
 
 class _Config(BaseModel):
@@ -95,6 +99,13 @@ class FailureConfig(_Config):
         ge=-1,
         description="Restarts after a rank or worker failure: 0 = none, -1 = unlimited. "
         "Driver crashes do not count.",
+    )
+    max_driver_restarts: int = Field(
+        3,
+        ge=-1,
+        description="Driver crashes (its flow process killed, its machine gone) the run survives "
+        "before a rerun fails it: -1 = unlimited. Counted in the run's stored state, so a rerun "
+        "loop stops whatever starts the reruns; a rerun of a failed run counts afresh.",
     )
     max_preemption_failures: int = Field(
         -1,
@@ -155,9 +166,11 @@ class RunConfig(_Config):
     """The identity of a run, `(storage_path, name)`, and how it treats failures and checkpoints."""
 
     name: str = Field(
-        description="Unique run id. A flow run with the same storage_path and name resumes this run.",
+        description="Unique run id. A flow run with the same storage_path and name resumes this "
+        "run. May hold {scheduled_start:%Y%m%d-%H%M} (strftime codes): each scheduled run of a "
+        "deployment is then a run of its own, named after its slot.",
         # in the JSON schema too, so a deployment run with a bad name is refused at creation
-        json_schema_extra={"pattern": _NAME_OK.pattern},
+        json_schema_extra={"pattern": _NAME_OR_TEMPLATE},
     )
     storage_path: str = Field(
         DEFAULT_STORAGE_PATH,
@@ -200,12 +213,14 @@ class RunConfig(_Config):
     @field_validator("name")
     @classmethod
     def _name_stays_inside_storage(cls, name: str) -> str:
-        if ".." in name or not _NAME_OK.fullmatch(name):
+        rendered = run_name.render(name, run_name.SAMPLE)  # a template: as it will be named
+        if ".." in rendered or not _NAME_OK.fullmatch(rendered):
             raise ValueError(
                 f"run_config.name {name!r} is not a valid run name: use 1-200 characters from "
                 "letters, digits and . _ = + , @ : -, starting with a letter or digit, with no '/' "
                 "or '..' (the name is one directory under storage_path), e.g. "
-                "'unique_run_id=da823d5'."
+                "'unique_run_id=da823d5'; in a template only {scheduled_start:FORMAT} fields, "
+                "with strftime codes, e.g. 'nightly-{scheduled_start:%Y%m%d-%H%M}'."
             )
         return name
 

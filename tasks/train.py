@@ -53,10 +53,16 @@ def prepare_run(
     return plan
 
 
+# How the Crashed state below begins: the recovery automation (`deployments/automations.py`)
+# reruns no flow run that ends so, as this driver already trains the run.
+TAKEN_OVER = "ft-train takeover:"
+
+
 def _crash_flow_run_of(previous: LeaseDoc | None) -> None:
     """The run was taken over from a driver that was killed (its lease not released). Prefect
     still shows that driver's flow run Running when nothing reported its end (a Python call has
-    no worker to): mark it Crashed, so the UI tells the truth."""
+    no worker to; a lost machine's worker died with it): mark it Crashed, so the UI tells the
+    truth, with a message that the recovery automation knows (`TAKEN_OVER`)."""
     if previous is None or previous.released or previous.holder_id in ("", flow_run.id):
         return
     log = get_run_logger()
@@ -64,8 +70,8 @@ def _crash_flow_run_of(previous: LeaseDoc | None) -> None:
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(UUID(previous.holder_id))
             if run.state is not None and run.state.is_running():
-                message = f"its driver (pid {previous.pid} on {previous.host}) was gone when "
-                message += f"flow run {flow_run.name!r} took the training run over"
+                message = f"{TAKEN_OVER} its driver (pid {previous.pid} on {previous.host}) "
+                message += f"was gone when flow run {flow_run.name!r} took the training run over"
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)
                 log.info(f"marked the flow run {run.name!r} of the gone driver Crashed")
     except Exception as e:  # another Prefect server's run, or none: only the UI loses

@@ -143,3 +143,23 @@ def non_finite_metrics(config):
     nan, inf = float("nan"), float("inf")
     metrics = {"loss": nan, "grad_norm": inf, "per_class": [0.5, -inf], "nested": {"x": nan}}
     ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))
+
+
+def kill_driver(config):
+    """A training function whose driver always dies: rank 0 reports once, then SIGKILLs the
+    driver (the flow process named in the run's lease on the local `storage_path`), as the OOM
+    killer would, and waits to go with it."""
+    import signal
+    import threading
+
+    from ft_train.driver.lease import read_lease
+    from ft_train.storage.fs import Storage
+
+    ft_train.report({"step": 1})
+    if ft_train.get_context().get_world_rank() == 0:
+        lease = read_lease(
+            Storage(config["storage_path"]), ft_train.get_context().get_experiment_name()
+        )
+        os.kill(lease.pid, signal.SIGKILL)
+    threading.Event().wait(60)  # the driver's processes go with it; never report again
+    os._exit(1)

@@ -14,7 +14,8 @@ from typing import Any
 from ..config import RunConfig, ScalingConfig
 from ..controller import Callback, Controller, GroupPlan
 from ..controller.history import HistoryRecorder
-from ..errors import ConfigError, RunLockedError, StorageError
+from ..errors import ConfigError, RunLockedError, StorageError, TrainingFailedError
+from ..policy.failure import driver_restarts_spent
 from ..result import TrainResult
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.fs import Storage
@@ -93,9 +94,9 @@ def prepare_run(
         plan = _rehydrate(train_loop, config, scaling, run_config, new, storage, store, lease, log)
     except BaseException as e:
         lease.release()
-        if isinstance(e, (StorageError, RunLockedError, ConfigError)) or not isinstance(
-            e, Exception
-        ):
+        if isinstance(
+            e, (StorageError, RunLockedError, ConfigError, TrainingFailedError)
+        ) or not isinstance(e, Exception):
             raise
         raise storage_error(run_config, "use", e) from None
     if plan.finished:
@@ -210,6 +211,7 @@ def _rehydrate(
     where = storage.uri(run_config.name)
     trains_on = resume.check(run_config, state, new, where, log)  # a finished run, extended
     resumed = state is not None  # a new run has nothing to sweep (nor a run with no state file)
+    spent = None
     if state is None:
         state = RunState(name=run_config.name)
         log(f"new run {run_config.name!r} at {where}")
@@ -219,7 +221,7 @@ def _rehydrate(
     else:
         # A driver that ended released the lease; one that was killed could not.
         crashed = lease.previous is None or not lease.previous.released
-        _resume(state, where, log, crashed)
+        spent = _resume(state, where, log, crashed, run_config)
     state.config, state.config_fingerprint = new  # what the run trains with from now on
     state.driver_runs += 1
     try:
@@ -228,6 +230,8 @@ def _rehydrate(
         raise
     except Exception as e:
         raise storage_error(run_config, "write", e) from None
+    if spent is not None:
+        raise spent  # recorded: Failed, which no automation reruns; a rerun by hand counts afresh
     if resumed:
         _sweep_orphans(storage, store, state, run_config, log)
     return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
@@ -263,7 +267,11 @@ def _sweep_orphans(
         )
 
 
-def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bool) -> None:
+def _resume(
+    state: RunState, where: str, log: Callable[[str], None], crashed: bool, run_config: RunConfig
+) -> TrainingFailedError | None:
+    """Record the previous driver's end, and return the error that fails the run if its crash
+    spent the driver-restart budget (the run state then says so)."""
     if state.status == "running" and crashed:
         # The previous driver never recorded an end: it was killed. Not charged to max_failures.
         state.failures.append(
@@ -278,8 +286,13 @@ def _resume(state: RunState, where: str, log: Callable[[str], None], crashed: bo
     elif state.status in ("failed", "finished"):  # finished: trains on with a changed config
         state.budget_start = len(state.failures)  # a new flow run gets a fresh failure budget
     state.status, state.error = "running", None
+    spent = driver_restarts_spent(state, run_config.failure_config)
+    if spent is not None:
+        state.status, state.error = "failed", str(spent)
+        return spent
     frm = f"checkpoint {state.latest} (step {state.report_index})" if state.latest else "scratch"
     log(f"resuming run {state.name!r} at {where} from {frm}")
+    return None
 
 
 def interrupt_or(error: BaseException) -> BaseException:

@@ -86,3 +86,26 @@ def describe(failures: list[FailureRecord]) -> str:
         f"{f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
         for i, f in enumerate(failures, 1)
     )
+
+
+def driver_restarts_spent(state: RunState, config: FailureConfig) -> TrainingFailedError | None:
+    """After a driver crash is recorded: the error that fails the run when the driver crashes
+    since the budget was last reset (a rerun of a failed run resets it) exceed
+    `max_driver_restarts`; else None. Counted from the run state, not from what Prefect
+    remembers of its flow runs, so that no rerun loop outlives it."""
+    crashes = [f for f in state.failures[state.budget_start :] if f.kind == "driver_crash"]
+    budget = config.max_driver_restarts
+    if budget == -1 or len(crashes) <= budget:
+        return None
+    return TrainingFailedError(
+        f"training failed: its driver crashed {len(crashes)} times, more than "
+        f"max_driver_restarts={budget} (run_config.failure_config.max_driver_restarts); "
+        "something kills the driver (its flow process) every time: look at its machine and "
+        "logs, then rerun the run by hand (that counts afresh), or raise the setting. "
+        "Driver crashes:\n"
+        + "\n".join(
+            f"  {i}. at step {f.step} ({f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
+            for i, f in enumerate(crashes, 1)
+        ),
+        [f.model_dump(mode="json") for f in state.failures[state.budget_start :]],
+    )

@@ -1,0 +1,268 @@
+"""Hands-off driver recovery and scheduled runs, end to end: `prefect server start` on loopback
+(its scheduler and automation services), the process work pool, `prefect deploy -n demo -n
+nightly` from prefect.yaml, `ft-train automations install`, and `prefect worker start`.
+
+- A deployed run's flow process is SIGKILLed after a checkpoint: a new flow run starts by
+  itself (the rerun automation), resumes from that checkpoint and completes.
+- A training function that kills its driver every time: the driver-restart budget stops the
+  reruns, and the run ends Failed with an error that names the setting.
+- The scheduler creates two runs of a scheduled deployment: each is named after its slot and
+  trains a run of its own.
+
+The deployments train `tests.loops` functions (a few ms a step) on one rank, on local storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+
+import ft_train
+from ft_train.driver.lease import read_lease
+from ft_train.storage.fs import Storage
+from ft_train.storage.run_state import RunStore
+from tests.helpers import wait_for
+from tests.test_deployment_e2e import PREFECT, REPO, _cli, _start, _stop, _tail
+
+POOL = "ft-train-process"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`prefect server start` on loopback, with its own home; yields the clients' environment.
+    Its scheduler looks every 2 s (default 60) so a test's slots are scheduled at once."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "DO_NOT_TRACK": "1",
+        "COLUMNS": "200",
+    }
+    args = ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
+    proc = _start(PREFECT + args, env, home, home / "server.log")
+    try:
+        wait_for(lambda: _healthy(env["PREFECT_API_URL"]) or proc.poll(), 180, "the server")
+        assert proc.poll() is None, _tail(home / "server.log")
+        yield env
+    finally:
+        _stop(proc)
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def deployed(server, tmp_path_factory):
+    """The pool, both deployments from prefect.yaml, the recovery automations and a worker;
+    yields (environment, worker log)."""
+    env = server
+    _cli(["work-pool", "create", POOL, "--type", "process"], env, timeout_s=120)
+    _cli(["--no-prompt", "deploy", "-n", "demo", "-n", "nightly"], env, timeout_s=240)
+    install = [sys.executable, "-m", "cli", "automations", "install", "--within", "90"]
+    done = subprocess.run(install, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "installed ft-train-rerun/ft-train/demo" in done.stdout, done.stdout
+    workdir = tmp_path_factory.mktemp("worker")
+    log = workdir / "worker.log"
+    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    worker = _start(PREFECT + ["worker", "start", "--pool", POOL], worker_env, workdir, log)
+    try:
+        yield env, log
+    finally:
+        _stop(worker)
+
+
+def _api(env: dict) -> str:
+    return env["PREFECT_API_URL"]
+
+
+def _run(env: dict, deployment: str, parameters: dict, job_variables: dict | None = None) -> str:
+    """`prefect deployment run` with these parameters; the flow run's id."""
+    args = ["deployment", "run", deployment]
+    for key, value in parameters.items():
+        args += ["--param", f"{key}={json.dumps(value)}"]
+    for key, value in (job_variables or {}).items():
+        args += ["--job-variable", f"{key}={json.dumps(value)}"]
+    out = _cli(args, env, timeout_s=120).stdout
+    match = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert match, out
+    return match.group(1)
+
+
+def _flow_runs(env: dict, name: str) -> list[dict]:
+    """The flow runs named `name` (a driver names its flow run after the run), oldest first."""
+    body = {"flow_runs": {"name": {"any_": [name]}}, "sort": "EXPECTED_START_TIME_ASC"}
+    return httpx.post(f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
+
+
+def _state(env: dict, flow_run_id: str) -> str:
+    return httpx.get(f"{_api(env)}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"]
+
+
+def _fast(storage_path: str, name: str, **loop) -> dict:
+    """A deployment run's parameters: tests.loops.fast_checkpoints on one rank."""
+    return {
+        "train_loop": "tests.loops:fast_checkpoints",
+        "train_loop_config": {"steps": 20, "every": 5, **loop},
+        "run_config": {"name": name, "storage_path": storage_path},
+        "scaling_config": {"num_workers": 1},
+        "cluster": {"preload": []},
+    }
+
+
+@pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
+def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_path):
+    env, worker_log = deployed
+    runs, name = str(tmp_path / "runs"), f"crash-{uuid.uuid4().hex[:6]}"
+    hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
+    first = _run(env, "ft-train/demo", _fast(runs, name, faults=[hold]))
+    store = Storage(runs)
+
+    def held() -> bool:
+        state = RunStore(store, name).load()
+        return state is not None and state.report_index == 10 and os.path.exists(hold["marker"])
+
+    wait_for(held, 240, f"the run to hold after its checkpoint at step 10\n{_tail(worker_log)}")
+    lease = read_lease(store, name)
+    assert lease is not None and lease.holder_id == first
+    checkpoint = ft_train.TrainResult.from_path(runs, name).checkpoint.path
+    os.kill(lease.pid, signal.SIGKILL)  # the flow-run process only, as the OOM killer would
+
+    def rerun_done() -> dict | None:
+        later = [r for r in _flow_runs(env, name) if r["id"] != first]
+        return later[0] if later and later[0]["state_type"] in ("COMPLETED", "FAILED") else None
+
+    rerun = wait_for(rerun_done, 240, f"a rerun to end\n{_tail(worker_log)}")
+    assert _state(env, first) == "CRASHED"
+    assert rerun["state_type"] == "COMPLETED", _tail(worker_log)
+    assert rerun["parameters"]["run_config"]["name"] == name
+    assert rerun["parameters"]["train_loop_config"]["faults"] == [hold]  # the same parameters
+    result = ft_train.TrainResult.from_path(runs, name)
+    assert result.status == "finished" and result.metrics["step"] == 20
+    assert result.metrics["resumed_from"] == 10
+    assert [(f.kind, f.charged) for f in result.failures] == [("driver_crash", False)]
+    assert checkpoint.rsplit("/", 1)[-1].startswith("checkpoint_000010-")
+
+
+@pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
+def test_a_driver_killed_every_time_stops_after_the_restart_budget(deployed, tmp_path):
+    env, worker_log = deployed
+    runs, name = str(tmp_path / "runs"), f"loop-{uuid.uuid4().hex[:6]}"
+    parameters = {
+        "train_loop": "tests.loops:kill_driver",
+        "train_loop_config": {"storage_path": runs},
+        "run_config": {
+            "name": name,
+            "storage_path": runs,
+            "failure_config": {"max_driver_restarts": 1},
+        },
+        "scaling_config": {"num_workers": 1},
+        "cluster": {"preload": []},
+    }
+    _run(env, "ft-train/demo", parameters)
+
+    def failed() -> list[dict] | None:
+        found = _flow_runs(env, name)
+        return found if any(r["state_type"] == "FAILED" for r in found) else None
+
+    found = wait_for(failed, 360, f"the run to fail\n{_tail(worker_log)}")
+    # two drivers killed (the first run, and the rerun the budget allowed), then the third fails
+    assert [r["state_type"] for r in found] == ["CRASHED", "CRASHED", "FAILED"], found
+    state = httpx.get(f"{_api(env)}/flow_runs/{found[-1]['id']}", timeout=10).json()["state"]
+    assert "max_driver_restarts=1" in state["message"], state
+    result = ft_train.TrainResult.from_path(runs, name)
+    assert result.status == "failed" and "max_driver_restarts" in str(result.error)
+    assert [f.kind for f in result.failures] == ["driver_crash", "driver_crash"]
+    assert all(not f.charged for f in result.failures)  # max_failures is not spent by them
+
+
+@pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
+def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_path):
+    """The flow-run process cannot import the flow (here: its environment shadows torch with a
+    package that fails to import): Crashed before the flow ran. A rerun would crash the same
+    way, so none starts (the reruns above start within seconds of a crash)."""
+    env, worker_log = deployed
+    broken = tmp_path / "site" / "torch"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken environment')\n")
+    demo = httpx.get(f"{_api(env)}/deployments/name/ft-train/demo", timeout=10).json()
+    before = {r["id"] for r in _deployment_runs(env, demo["id"])}
+    parameters = _fast(str(tmp_path / "runs"), f"broken-{uuid.uuid4().hex[:6]}")
+    first = _run(env, "ft-train/demo", parameters, {"env": {"PYTHONPATH": str(broken.parent)}})
+    crashed = wait_for(
+        lambda: _state(env, first) in ("CRASHED", "FAILED", "COMPLETED"), 240, _tail(worker_log)
+    )
+    assert crashed and _state(env, first) == "CRASHED", _tail(worker_log)
+    flow_run = httpx.get(f"{_api(env)}/flow_runs/{first}", timeout=10).json()
+    assert flow_run["run_count"] == 0  # the flow never ran
+    assert "a broken environment" in _tail(worker_log, 20000)
+    deadline = time.monotonic() + 30  # a bounded wait for nothing to happen
+    while time.monotonic() < deadline:
+        others = {r["id"] for r in _deployment_runs(env, demo["id"])} - before - {first}
+        assert not others, f"a rerun started: {others}"
+        time.sleep(1)
+
+
+def _deployment_runs(env: dict, deployment_id: str) -> list[dict]:
+    body = {"deployments": {"id": {"any_": [deployment_id]}}}
+    return httpx.post(f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
+
+
+@pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
+def test_the_scheduler_starts_runs_named_after_their_slots(deployed, tmp_path):
+    """Two slots 20 s apart of a schedule on the `nightly` deployment: two flow runs, each
+    named after its slot by the deployment's own name template, each its own finished run."""
+    env, worker_log = deployed
+    api, runs = _api(env), str(tmp_path / "runs")
+    nightly = httpx.get(f"{api}/deployments/name/ft-train/nightly", timeout=10).json()
+    template = nightly["parameters"]["run_config"]["name"]
+    assert template == "nightly-{scheduled_start:%Y%m%d-%H%M}"
+    assert [s["active"] for s in nightly["schedules"]] == [False]  # prefect.yaml's, off
+    start = (datetime.now(UTC) + timedelta(seconds=15)).replace(microsecond=0)
+    rrule = f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;INTERVAL=20;COUNT=2"
+    parameters = _fast(runs, template.replace("%H%M", "%H%M%S"), steps=10)
+    schedule = {"schedule": {"rrule": rrule, "timezone": "UTC"}, "active": True}
+    reply = httpx.post(
+        f"{api}/deployments/{nightly['id']}/schedules",
+        json=[{**schedule, "parameters": parameters}],
+        timeout=10,
+    )
+    assert reply.status_code == 201, reply.text
+    expected = [f"nightly-{slot:%Y%m%d-%H%M%S}" for slot in (start, start + timedelta(seconds=20))]
+
+    def both_done() -> bool:
+        return all([r["state_type"] for r in _flow_runs(env, n)] == ["COMPLETED"] for n in expected)
+
+    wait_for(both_done, 300, f"both scheduled runs to complete\n{_tail(worker_log)}")
+    for name in expected:
+        (flow_run,) = _flow_runs(env, name)
+        assert flow_run["deployment_id"] == nightly["id"]
+        assert flow_run["auto_scheduled"] is True  # the scheduler's, not ours
+        result = ft_train.TrainResult.from_path(runs, name)
+        assert result.status == "finished" and result.metrics["step"] == 10
+        assert result.metrics["resumed_from"] == 0  # trained from scratch, not the other's
