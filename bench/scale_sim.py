@@ -170,6 +170,15 @@ class SimCluster:
     def warm(self, modules: tuple[str, ...]) -> None:
         pass
 
+    def hold_snapshots(self) -> None:
+        pass  # snapshots off in the benchmark (CheckpointConfig.snapshot_every=None)
+
+    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+        return []
+
+    def drop_snapshots(self, run_uri: str) -> None:
+        pass
+
     def close(self) -> None:
         for group in self.groups:
             group.stop()
@@ -197,6 +206,7 @@ class SimGroup(WorkerGroup):
         checkpoint_dir: str | None,
         start_report_index: int,
         exclude: set[str],
+        snapshot: Any = None,
     ) -> None:
         usable = [
             w for w in self.cluster.workers if w not in exclude and w not in self.cluster.gone

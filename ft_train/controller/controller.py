@@ -76,9 +76,7 @@ class Controller:
         self.cluster, self.plan, self.state = cluster, plan, state
         self.store, self.manager, self.failure_config = store, manager, failure_config
         self.log, self.callbacks = log, list(callbacks)
-        self.warn: Callable[[str], None] = (
-            logger.warning
-        )  # a rank's traceback, what a user should look into
+        self.warn: Callable[[str], None] = logger.warning  # a rank's traceback, say
         self.current: State = Restarting()
         self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}
