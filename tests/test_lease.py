@@ -19,7 +19,7 @@ import pytest
 
 import ft_train
 from cli import main as cli
-from ft_train.driver import prepare
+from ft_train.driver import prepare as driver_prepare
 from ft_train.driver.lease import LEASE_FILE, LeaseDoc, RunLease
 from ft_train.errors import RunLockedError
 from ft_train.storage.run_state import STATE_FILE, RunState, RunStore, now
@@ -33,8 +33,8 @@ def noop_train_loop(config):
     """An importable train_loop for `prepare_run`; never called."""
 
 
-def prepare(target, name: str, holder: str = "") -> prepare.RunPlan:
-    return prepare.prepare_run(
+def prepare(target, name: str, holder: str = "") -> driver_prepare.RunPlan:
+    return driver_prepare.prepare_run(
         f"{__name__}:noop_train_loop",
         {},
         ft_train.ScalingConfig(),
@@ -127,7 +127,7 @@ def test_a_second_driver_is_refused_while_the_first_holds_the_run(storage):
 def test_a_lease_left_by_a_killed_driver_on_this_machine_is_taken_at_once(storage, tmp_path):
     script = (
         "import sys, ft_train\n"
-        "from ft_train import driver\n"
+        "from ft_train.driver import prepare\n"
         f"sys.path.insert(0, {REPO!r})\n"
         "prepare.prepare_run('tests.test_lease:noop_train_loop', {}, ft_train.ScalingConfig(),\n"
         f"    ft_train.RunConfig(name='run', storage_path={storage.path!r},\n"
