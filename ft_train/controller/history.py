@@ -7,6 +7,7 @@ recorded, and at the run's end; each write after the run state's and under the r
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ from .. import knobs
 from ..storage.metric_history import MetricHistory, save_history
 from ..storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState, RunStore
 from .callbacks import Callback
+
+logger = logging.getLogger("ft_train")
 
 
 class HistoryRecorder(Callback):
@@ -39,5 +42,9 @@ class HistoryRecorder(Callback):
 
     def save(self) -> None:
         self.store.fence()  # a driver that lost the run leaves the new one's history alone
-        save_history(self.store.storage, self.store.name, self.history)
+        try:
+            save_history(self.store.storage, self.store.name, self.history)
+        except Exception as e:  # a view of the run, outside the commit: never what ends a run
+            logger.warning("ft-train: the metric history was not saved (%s)", e)
+            return
         self._saved_at = time.monotonic()
