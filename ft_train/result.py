@@ -57,7 +57,7 @@ class TrainResult:
             )
         try:
             history = load_history(storage, state.name).rows()
-        except StorageError:  # it only informs; the driver that reads it reports the damage
+        except Exception:  # it only informs (damaged, or storage out); the run state is the record
             history = []
         return cls(
             metrics=state.metrics,

@@ -27,7 +27,6 @@ from prefect.events import emit_event
 
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
-from ft_train.errors import StorageError
 from ft_train.storage.metric_history import load_history
 from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
 
@@ -81,7 +80,7 @@ def publish_artifacts(plan: RunPlan, view: LiveView | None = None) -> None:
     (`view`, which kept them while the run trained; a new one for a run that did not train
     here), as artifacts of this flow run."""
     if view is None:
-        with contextlib.suppress(StorageError):  # a damaged history shows empty; a driver says so
+        with contextlib.suppress(Exception):  # a damaged or unreachable history shows empty
             plan.history = load_history(plan.storage, plan.run_config.name)
         view = LiveView(plan)
     view.final()
