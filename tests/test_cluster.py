@@ -151,7 +151,7 @@ out["never"] = call("trains", "tests.loops:report_many", resume="never") + [len(
 started.clear(); taken.clear()
 out["must"] = call("no-such-run", "tests.loops:report_many", resume="must") + [len(started)]
 from ft_train.driver import prepare
-held = prepare.prepare_run("tests.loops:report_many", {{}}, ft_train.ScalingConfig(num_workers=2),
+held = prepare.prepare_run("tests.loops:report_many", {{"n": 3}}, ft_train.ScalingConfig(num_workers=2),
                           ft_train.RunConfig(name="held", storage_path={storage!r}),
                           log=lambda m: None)  # another driver (in this process) trains "held"
 started.clear(); taken.clear()

@@ -203,11 +203,12 @@ def test_a_driver_killed_every_time_stops_after_the_restart_budget(deployed, tmp
 
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
 def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_path):
-    """The flow-run process cannot import the flow (here: its environment shadows torch with a
-    package that fails to import): Crashed before the flow ran. A rerun would crash the same
+    """The flow-run process cannot import the flow (here: its environment shadows `distributed`,
+    which the flow imports and Prefect's engine does not, with a package that fails to import):
+    Crashed before the flow ran. A rerun would crash the same
     way, so none starts (the reruns above start within seconds of a crash)."""
     env, worker_log = deployed
-    broken = tmp_path / "site" / "torch"
+    broken = tmp_path / "site" / "distributed"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('a broken environment')\n")
     demo = httpx.get(f"{_api(env)}/deployments/name/ft-train/demo", timeout=10).json()
