@@ -254,45 +254,50 @@ def fig_recovery(s: Suite, kind: str) -> dict:
 
 
 def fig_cold_start(s: Suite) -> dict:
-    reps = 1 if s.quick else 3
+    """Call -> first step. ft-train's and Ray's runs alternate, each pair minutes apart at most, and
+    every pair's ratio is kept: the target holds for each pair, not for a median."""
+    reps = 1 if s.quick else 5
     out: dict[str, Any] = {}
     # Not counted: a first Prefect flow run creates Prefect's database (once per PREFECT_HOME),
     # and a first Ray start reads Ray's binaries from disk.
     s.child(FT, "warm", {})
     s.child(RAY, "warm", {})
 
-    def measure(module: str, env: dict) -> dict:
-        runs = []
-        for _ in range(reps):
-            r = s.child(module, "cold_start", {}, env=env)
-            ev = r.get("events", [])
-            first = W.first_step_t(ev)
-            if "error" in r or first is None:
-                runs.append({"error": r.get("error", "no step"), "log_tail": r.get("log_tail")})
-                continue
-            runs.append(
-                {
-                    "s": first - r["run"]["t_call"],
-                    "total_s": r["run"]["t_return"] - r["run"]["t_call"],
-                    "import_s": r["import_s"],
-                    "events": ev,
-                    "t_call": r["run"]["t_call"],
-                }
-            )
-        timed = sorted(x["s"] for x in runs if "s" in x)
-        return {"s": timed[len(timed) // 2] if timed else None, "runs": runs}
+    def once(module: str, env: dict) -> dict:
+        r = s.child(module, "cold_start", {}, env=env)
+        ev = r.get("events", [])
+        first = W.first_step_t(ev)
+        if "error" in r or first is None:
+            return {"error": r.get("error", "no step"), "log_tail": r.get("log_tail")}
+        return {
+            "s": first - r["run"]["t_call"],
+            "total_s": r["run"]["t_return"] - r["run"]["t_call"],
+            "import_s": r["import_s"],
+            "events": ev,
+            "t_call": r["run"]["t_call"],
+        }
 
-    for mode in ("fresh", "running"):
-        out[mode] = {}
-        if mode == "fresh":
-            out[mode]["ft-train"] = measure(FT, {})
-            out[mode]["ray"] = measure(RAY, {})
-        else:
-            with prefect_server(s) as api_url:
-                out[mode]["ft-train"] = measure(FT, {"PREFECT_API_URL": api_url})
-            with ray_cluster(s) as address:
-                out[mode]["ray"] = measure(RAY, {"RAY_ADDRESS": address})
-        out[mode]["ratio"] = _ratio(out[mode]["ft-train"]["s"], out[mode]["ray"]["s"])
+    def median(runs: list[dict]) -> float | None:
+        timed = sorted(x["s"] for x in runs if "s" in x)
+        return timed[len(timed) // 2] if timed else None
+
+    def pairs(ft_env: dict, ray_env: dict) -> dict:
+        ft, ray = [], []
+        for _ in range(reps):
+            ft.append(once(FT, ft_env))
+            ray.append(once(RAY, ray_env))
+        ratios = [_ratio(a.get("s"), b.get("s")) for a, b in zip(ft, ray)]
+        return {
+            "ft-train": {"s": median(ft), "runs": ft},
+            "ray": {"s": median(ray), "runs": ray},
+            "pair_ratios": ratios,
+            # the worst pair; None if any pair has no figure
+            "ratio": None if None in ratios else max(ratios),
+        }
+
+    out["fresh"] = pairs({}, {})
+    with prefect_server(s) as api_url, ray_cluster(s) as address:
+        out["running"] = pairs({"PREFECT_API_URL": api_url}, {"RAY_ADDRESS": address})
     return out
 
 
@@ -482,14 +487,16 @@ def rows(figs: dict) -> list[dict]:
             runs = {
                 k: [x["s"] for x in f[k].get("runs", []) if "s" in x] for k in ("ft-train", "ray")
             }
+            pairs = "/".join(f"{r:.2f}" if r else "n/a" for r in f.get("pair_ratios", []))
             row(
                 f"cold start, {label}: call -> first step",
                 "s",
                 f["ft-train"]["s"],
                 f["ray"]["s"],
-                "<= 0.5x Ray",
+                "<= 0.5x Ray in every pair",
                 cmp(f["ratio"], 0.5),
-                _runs({k: {"runs_s": v} for k, v in runs.items()}),
+                _runs({k: {"runs_s": v} for k, v in runs.items()})
+                + (f"; ratio of each pair {pairs}" if pairs else ""),
             )
     if "report" in figs:
         f = figs["report"]
