@@ -3,7 +3,8 @@
 A rank's snapshot pieces are held by a peer worker's nanny. On a local cluster the nannies run
 in the driver's process, which is this test's: a test reads (and damages) what they hold through
 `snapshot_store.STORES`, as a measurement or a bit flip in their memory would. Losing a holder
-takes a cluster whose nannies are processes of their own (`dask worker`, one per node).
+takes a cluster whose nannies are processes of their own: the chaos test's external cluster, a
+`dask scheduler` and nodes of a nanny and its worker, reached by address.
 
 Each fault test runs the loop at a few ms a step and at 50 ms a step, and checks the final
 weights bit for bit against a run without faults.
@@ -12,16 +13,19 @@ weights bit for bit against a run without faults.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import pytest
 import torch
 
 import ft_train
+from ft_train.driver import snapshot_holders
 from ft_train.worker import snapshot_store
 from ft_train.worker.journal import run_key
 from tests.conftest import StorageTarget
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
+from tests.test_chaos import ExternalCluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -185,3 +189,74 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
     assert set(seen["held"]) == {0, 1}
     biggest = max(seen["sizes"])
     assert all(peak <= 2 * biggest for peak in seen["peak"].values()), seen
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    """Three nodes, each a nanny and its worker in a process group of their own: two ranks and a
+    spare. Rank 1's holder is rank 0's nanny, and rank 0's is rank 1's (all on one host)."""
+    monkeypatch.setenv("DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES", "0")  # as ft-train asks
+    cluster = ExternalCluster(tmp_path)
+    try:
+        for _ in range(3):
+            cluster.add_node()
+        cluster.connect()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("pace", PACES)
+def test_a_rank_and_the_holder_of_its_snapshots_killed_resume_from_storage(
+    tmp_path, pace, fault_free, nodes
+):
+    # Rank 1 holds right after report 27: the checkpoint on storage is at 20, and the round of
+    # 24 is held whole (report 26 returned on both ranks once their pieces of 24 were held).
+    # Then the node of rank 1's holder (nanny and worker: rank 0's) is SIGKILLed, and rank 1's
+    # worker process: rank 0's pieces are still held, rank 1's are gone. No round after 20 is
+    # whole: the restart must take the checkpoint at 20, not a round it cannot fetch.
+    target, name = local(tmp_path), f"snap-holder-{pace}"
+    run = run_key(fresh(target).uri(name))
+    seen: dict = {}
+
+    def newest_whole_round() -> int | None:
+        held = snapshot_holders.held(nodes.client, run)
+        by_rank: dict[int, set] = {}
+        for p in held:
+            by_rank.setdefault(p["rank"], set()).add(p["index"])
+        whole = by_rank.get(0, set()) & by_rank.get(1, set())
+        seen["held"] = held
+        return max((i for i in whole if i > EVERY), default=None)
+
+    def kill_rank_1_and_its_holder() -> None:
+        attempt_id = load_state(target, name).attempts[0].attempt_id
+        rank_1 = nodes.running(f"ft-train-rank-1-{attempt_id}")
+        pid = nodes.client.run(os.getpid, workers=[rank_1])[rank_1]
+        seen["round"] = wait_for(newest_whole_round, 30, "a whole round after the checkpoint")
+        (holder,) = {p["holder"] for p in seen["held"] if p["rank"] == 1}
+        workers = nodes.client.scheduler_info(n_workers=-1)["workers"]
+        (node,) = [a for a, w in workers.items() if w.get("nanny") == holder]
+        nodes.take_away(node)  # its nanny, then the rest of its process group; a new node joins
+        os.kill(pid, signal.SIGKILL)
+        seen["after"] = snapshot_holders.held(nodes.client, run)
+
+    gate, thread = at_gate(tmp_path, 1, 27, kill_rank_1_and_its_holder)
+    thread.start()
+    config = {"snapshot": True, "step_s": pace, "faults": gate}
+    result = train_fast(
+        target, name, config, max_failures=1, cluster=ft_train.ClusterConfig(address=nodes.address)
+    )
+    thread.join(10)
+
+    assert seen["round"] in (24, 26), seen
+    assert {p["rank"] for p in seen["after"]} == {0}, seen  # rank 0's pieces outlived the kills
+    assert result.status == "finished", result.error
+    # one failure of the group: rank 1's death or rank 0's node, whichever the driver heard first
+    assert [(f.step, f.charged) for f in result.failures] == [(27, True)], result.failures
+    restart = load_state(target, name).attempts[1]
+    assert restart.restored_from is not None and restart.restored_from.startswith(
+        "checkpoint_000020-"
+    ), restart
+    assert restart.restored_snapshot is None, restart
+    assert restart.start_report_index == EVERY, restart
+    assert_bit_identical(weights(result), fault_free)
