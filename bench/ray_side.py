@@ -156,12 +156,34 @@ def recovery(p: dict) -> dict:
     return {"run": run, "events": read_events(events)}
 
 
-def node_loss(p: dict) -> dict:
-    """Three one-CPU Ray nodes (ray.cluster_utils.Cluster) beside a zero-CPU head; rank 1 kills
-    its node's raylet, then its own process, at step 7."""
+@contextlib.contextmanager
+def ray_nodes(n: int) -> Iterator:
+    """`n` one-CPU Ray nodes (ray.cluster_utils.Cluster) beside a zero-CPU head, and Ray
+    initialised on them; yields the Cluster."""
     import ray
     from ray.cluster_utils import Cluster
 
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    try:
+        for _ in range(n):
+            add_node(cluster)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def add_node(cluster) -> None:
+    cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
+
+
+def node_loss(p: dict) -> dict:
+    """Three one-CPU Ray nodes (`ray_nodes`); rank 1 kills its node's raylet, then its own
+    process, at step 7."""
     events = os.path.join(p["workdir"], "events.jsonl")
     cfg = {
         "steps": 10,
@@ -170,19 +192,22 @@ def node_loss(p: dict) -> dict:
         "report_every": 0,
         "faults": [fault(p, "node")],
     }
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
-    )
-    try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+    with ray_nodes(3):
         run = fit("node-loss", cfg, p)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     return {"run": run, "events": read_events(events)}
+
+
+def goodput(p: dict) -> dict:
+    """One run of `bench.goodput` (it says what p holds), on three one-CPU Ray nodes (one
+    spare); a lost node's place is taken by a new one at once. Reports only with checkpoints:
+    a Ray report() costs up to its controller's 2 s poll once its one-slot queue is full."""
+    from bench.goodput import Injector, loop_config
+
+    cfg = loop_config(p, report_every=0)
+    with ray_nodes(3) as cluster:
+        with Injector(cfg, p, replace_node=lambda: add_node(cluster)) as injector:
+            run = fit("goodput", cfg, p, max_failures=-1)
+    return {"run": run, "events": read_events(cfg["events"]), "faults": injector.faults}
 
 
 def cold_start(p: dict) -> dict:
@@ -306,7 +331,7 @@ def warm(p: dict) -> dict:
 
 FIGURES = {
     f.__name__: f
-    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve)
+    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve, goodput)
 }
 
 
