@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ("kill", "raise", "node")  # in turn
+KINDS = ("kill", "raise", "node")  # in turn, unless --kinds says otherwise
 KIND_NAMES = {"kill": "rank SIGKILL", "raise": "rank exception", "node": "worker/node kill"}
 WORLD = 2
 POLL_S = 0.1
@@ -132,6 +132,7 @@ class Injector:
     def __init__(self, cfg: dict, p: dict, replace_node: Callable[[], None]):
         self.cfg, self.replace_node = cfg, replace_node
         self.every_s, self.duration_s = p.get("fault_every_s", 0), p["duration_s"]
+        self.kinds = p.get("kinds", KINDS)
         self.faults: list[dict[str, Any]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="injector", daemon=True)
@@ -162,7 +163,7 @@ class Injector:
             self._stop(log.stop_step())
 
     def _inject(self, k: int, log: _Log) -> float:
-        kind, rank = KINDS[k % len(KINDS)], (k + 1) % WORLD
+        kind, rank = self.kinds[k % len(self.kinds)], (k + 1) % WORLD
         pid = log.pid[rank]
         rec: dict[str, Any] = {"kind": kind, "rank": rank, "pid": pid, "t": time.time()}
         try:
@@ -328,6 +329,7 @@ def measure(args: argparse.Namespace) -> dict:
             runs[name]["log_tail"] = r.get("log_tail")
         return runs[name]
 
+    kinds = [k.strip() for k in args.kinds.split(",")]
     rate: dict[str, float | None] = {}
     for system in systems:
         p = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
@@ -336,7 +338,7 @@ def measure(args: argparse.Namespace) -> dict:
         if not rate[system]:
             continue  # its fault-free run failed: no intervals to derive, nothing to compare
         every = round(args.checkpoint_every * rate[system])
-        faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every}
+        faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every, "kinds": kinds}
         if system == "ray":
             child("ray", system, {**faulted, "duration_s": args.minutes * 60}, rate[system])
             continue
@@ -492,6 +494,7 @@ def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
             "snapshot_every_s": args.snapshot_every_s,
             "off_minutes": args.off_minutes,
             "fault_free_minutes": args.fault_free_minutes,
+            "kinds": args.kinds.split(","),
         },
         "runs": {**old.get("runs", {}), **fig_runs},
     }
@@ -518,12 +521,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--snapshot-every-s", type=float, default=2, help="seconds' worth of steps")
     p.add_argument("--off-minutes", type=float, default=5, help="ft-train, snapshots off; 0: none")
     p.add_argument("--fault-free-minutes", type=float, default=2)
+    p.add_argument("--kinds", default=",".join(KINDS), help="the faults' order, from " + str(KINDS))
     p.add_argument("--systems", default="ft-train,ray", help="ft-train, ray, or both")
     p.add_argument("--keep", action="store_true", help="keep each run's work directory")
     p.add_argument("--results", default=os.path.join(HERE, "results.json"))
     p.add_argument("--plot", default=os.path.join(HERE, "goodput.png"))
     p.add_argument("--table", action="store_true", help="print the stored figures and exit")
     args = p.parse_args(argv)
+    if set(args.kinds.split(",")) - set(KINDS):
+        p.error(f"--kinds: choose from {KINDS}")
     if args.table:
         with open(args.results) as f:
             print(table(json.load(f)["figures"]["goodput"]))
