@@ -389,7 +389,13 @@ def goodput(p: dict) -> dict:
                 max_failures=-1,
                 snapshot_every=p.get("snapshot_every"),
             )
-    return {"run": run, "events": read_events(cfg["events"]), "faults": injector.faults}
+    events = read_events(cfg["events"])
+    return {
+        "run": run,
+        "events": events,
+        "faults": injector.faults,
+        "injector_error": injector.error,
+    }
 
 
 def warm(p: dict) -> dict:

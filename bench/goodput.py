@@ -37,6 +37,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +135,7 @@ class Injector:
         self.every_s, self.duration_s = p.get("fault_every_s", 0), p["duration_s"]
         self.kinds = p.get("kinds", KINDS)
         self.faults: list[dict[str, Any]] = []
+        self.error: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="injector", daemon=True)
 
@@ -147,6 +149,15 @@ class Injector:
 
     def _run(self) -> None:
         log = _Log(self.cfg["events"])
+        try:
+            self._faults(log)
+        except Exception:  # recorded with the run's figures; the run is ended below
+            self.error = traceback.format_exc()
+        finally:
+            log.poll()
+            self._stop(log.stop_step())
+
+    def _faults(self, log: _Log) -> None:
         while (t1 := log.first_step_t()) is None:
             if self._done.wait(POLL_S):
                 return
@@ -158,9 +169,6 @@ class Injector:
             if self.every_s and time.time() >= due and log.training(since=last_fault):
                 last_fault = self._inject(k, log)
                 k += 1
-        if not self._done.is_set():
-            log.poll()
-            self._stop(log.stop_step())
 
     def _inject(self, k: int, log: _Log) -> float:
         kind, rank = self.kinds[k % len(self.kinds)], (k + 1) % WORLD
@@ -269,6 +277,7 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
         "params": {k: v for k, v in p.items() if k not in ("workdir", "s3_endpoint")},
         "status": (result.get("run") or {}).get("status"),
         "error": result.get("error"),
+        "injector_error": result.get("injector_error"),
     }
     prog = progress(events)
     if prog is None:

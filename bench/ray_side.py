@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -177,8 +179,11 @@ def ray_nodes(n: int) -> Iterator:
         cluster.shutdown()
 
 
+NODE_OBJECT_STORE = 200 * 2**20
+
+
 def add_node(cluster) -> None:
-    cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
+    cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE)
 
 
 def node_loss(p: dict) -> dict:
@@ -199,15 +204,43 @@ def node_loss(p: dict) -> dict:
 
 def goodput(p: dict) -> dict:
     """One run of `bench.goodput` (it says what p holds), on three one-CPU Ray nodes (one
-    spare); a lost node's place is taken by a new one at once. Reports only with checkpoints:
-    a Ray report() costs up to its controller's 2 s poll once its one-slot queue is full."""
+    spare); a lost node's place is taken by a new one at once (`ray start`: Cluster.add_node
+    works only on the main thread, which fit() holds). Reports only with checkpoints: a Ray
+    report() costs up to its controller's 2 s poll once its one-slot queue is full."""
     from bench.goodput import Injector, loop_config
 
     cfg = loop_config(p, report_every=0)
-    with ray_nodes(3) as cluster:
-        with Injector(cfg, p, replace_node=lambda: add_node(cluster)) as injector:
-            run = fit("goodput", cfg, p, max_failures=-1)
-    return {"run": run, "events": read_events(cfg["events"]), "faults": injector.faults}
+    joined: list[subprocess.Popen] = []
+    log = open(os.path.join(p["workdir"], "ray-start.log"), "ab")
+
+    def start_node() -> None:
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        args = [
+            f"--address={cluster.address}",
+            "--num-cpus=1",
+            f"--object-store-memory={NODE_OBJECT_STORE}",
+        ]
+        # --block: the node's processes stay in the group started here, and go with it
+        cmd = [ray, "start", *args, "--block"]
+        joined.append(subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True))
+
+    try:
+        with ray_nodes(3) as cluster:
+            with Injector(cfg, p, replace_node=start_node) as injector:
+                run = fit("goodput", cfg, p, max_failures=-1)
+    finally:
+        for proc in joined:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # our own process groups
+            proc.wait()
+        log.close()
+    events = read_events(cfg["events"])
+    return {
+        "run": run,
+        "events": events,
+        "faults": injector.faults,
+        "injector_error": injector.error,
+    }
 
 
 def cold_start(p: dict) -> dict:
