@@ -26,6 +26,7 @@ TRAIN_LOOP = "bench.ft_side:train_loop"
 class FtApi(Api):
     system = "ft-train"
     async_owns_dir = False  # report() snapshots the directory; the loop deletes it
+    snapshot = None  # save(directory) for report(snapshot=...), once use_snapshots() set it
 
     def __init__(self, staging: bool = True):
         self.staging = staging  # False: save into a plain temporary directory, as Ray's side does
@@ -47,7 +48,13 @@ class FtApi(Api):
 
     def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ft_train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=mode)
+        ft_train.report(
+            metrics, checkpoint=ckpt, checkpoint_upload_mode=mode, snapshot=self.snapshot
+        )
+
+    def use_snapshots(self, save, jit) -> None:
+        self.snapshot = save
+        ft_train.enable_jit_checkpoint(jit)
 
     @contextlib.contextmanager
     def save_dir(self, nbytes: int, taken_over: bool) -> Iterator[str]:
@@ -91,7 +98,14 @@ def storage_target(p: dict) -> tuple[str, dict]:
     return f"s3://{bucket}/runs", opts
 
 
-def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int = 1) -> dict:
+def call_flow(
+    name: str,
+    config: dict,
+    p: dict,
+    cluster=None,
+    max_failures: int = 1,
+    snapshot_every: int | None = None,
+) -> dict:
     from flows.train import train
 
     path, opts = storage_target(p)
@@ -106,7 +120,9 @@ def call_flow(name: str, config: dict, p: dict, cluster=None, max_failures: int 
             storage_path=path,
             storage_options=opts,
             failure_config=ft_train.FailureConfig(max_failures=max_failures),
-            checkpoint_config=ft_train.CheckpointConfig(num_to_keep=1),
+            checkpoint_config=ft_train.CheckpointConfig(
+                num_to_keep=1, snapshot_every=snapshot_every
+            ),
         ),
         cluster=cluster or ft_train.ClusterConfig(),
     )
@@ -146,24 +162,66 @@ def recovery(p: dict) -> dict:
     return {"run": run, "events": read_events(events)}
 
 
+class DaskCluster:
+    """A Dask cluster of separate processes, as deployed: a scheduler and `dask worker`s, each a
+    nanny process with one single-threaded worker process under it."""
+
+    def __init__(self, workdir: str):
+        self.env = dict(
+            os.environ,
+            DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
+            DASK_DISTRIBUTED__WORKER__DAEMON="False",
+        )
+        self.dask = os.path.join(os.path.dirname(sys.executable), "dask")
+        self.log = open(os.path.join(workdir, "dask.log"), "ab")
+        self.procs: list[subprocess.Popen] = []
+        self.address = ""
+
+    def _start(self, args: list[str]) -> None:
+        self.procs.append(
+            subprocess.Popen(
+                [self.dask, *args],
+                env=self.env,
+                stdout=self.log,
+                stderr=self.log,
+                start_new_session=True,
+            )
+        )
+
+    def add_worker(self) -> None:
+        """Start one more worker (a new node joining); it joins in the background."""
+        self._start(
+            [
+                "worker",
+                self.address,
+                "--nthreads",
+                "1",
+                "--memory-limit",
+                "0",
+                "--no-dashboard",
+                "--host",
+                "127.0.0.1",
+            ]
+        )
+
+    def close(self) -> None:
+        for pr in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pr.pid, 9)  # our own process groups (start_new_session)
+            pr.wait()
+        self.log.close()
+
+
 @contextlib.contextmanager
-def dask_cluster(workdir: str, n: int) -> Iterator[str]:
-    """A Dask cluster of separate processes, as deployed: a scheduler and `n` `dask worker`s,
-    each a nanny process with one single-threaded worker process under it."""
+def dask_cluster(workdir: str, n: int) -> Iterator[DaskCluster]:
+    """A scheduler and `n` workers (`DaskCluster`), once all have joined."""
     from distributed import Client
 
-    env = dict(
-        os.environ,
-        DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
-        DASK_DISTRIBUTED__WORKER__DAEMON="False",
-    )
-    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    cluster = DaskCluster(workdir)
     addr_file = os.path.join(workdir, "scheduler.json")
-    log = open(os.path.join(workdir, "dask.log"), "ab")
-    procs = [
-        subprocess.Popen(
+    try:
+        cluster._start(
             [
-                dask,
                 "scheduler",
                 "--host",
                 "127.0.0.1",
@@ -173,44 +231,16 @@ def dask_cluster(workdir: str, n: int) -> Iterator[str]:
                 "127.0.0.1:0",
                 "--scheduler-file",
                 addr_file,
-            ],
-            env=env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
+            ]
         )
-    ]
-    try:
         with Client(scheduler_file=addr_file, timeout="60s") as c:  # waits for the file
-            address = c.scheduler.address
+            cluster.address = c.scheduler.address
             for _ in range(n):
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            dask,
-                            "worker",
-                            address,
-                            "--nthreads",
-                            "1",
-                            "--memory-limit",
-                            "0",
-                            "--no-dashboard",
-                            "--host",
-                            "127.0.0.1",
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=log,
-                        start_new_session=True,
-                    )
-                )
+                cluster.add_worker()
             c.wait_for_workers(n, timeout=120)
-        yield address
+        yield cluster
     finally:
-        for pr in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pr.pid, 9)  # our own process groups (start_new_session)
-            pr.wait()
+        cluster.close()
 
 
 def node_loss(p: dict) -> dict:
@@ -224,7 +254,8 @@ def node_loss(p: dict) -> dict:
         "report_every": 0,
         "faults": [fault(p, "node")],
     }
-    with dask_cluster(p["workdir"], 3) as address:
+    with dask_cluster(p["workdir"], 3) as cluster:
+        address = cluster.address
         run = call_flow("node-loss", cfg, p, cluster=ft_train.ClusterConfig(address=address))
     return {"run": run, "events": read_events(events)}
 
@@ -342,6 +373,31 @@ def rehydrate(p: dict) -> dict:
     return {"rehydrate": out}
 
 
+def goodput(p: dict) -> dict:
+    """One run of `bench.goodput` (it says what p holds), on a cluster of three `dask worker`s
+    (one spare); a lost worker's place is taken by a new one at once."""
+    from bench.goodput import Injector, loop_config
+
+    cfg = loop_config(p, report_every=1)
+    with dask_cluster(p["workdir"], 3) as cluster:
+        with Injector(cfg, p, replace_node=cluster.add_worker) as injector:
+            run = call_flow(
+                "goodput",
+                cfg,
+                p,
+                cluster=ft_train.ClusterConfig(address=cluster.address),
+                max_failures=-1,
+                snapshot_every=p.get("snapshot_every"),
+            )
+    events = read_events(cfg["events"])
+    return {
+        "run": run,
+        "events": events,
+        "faults": injector.faults,
+        "injector_error": injector.error,
+    }
+
+
 def warm(p: dict) -> dict:
     """One trivial flow run: creates Prefect's database under PREFECT_HOME (not measured)."""
     from prefect import flow
@@ -355,7 +411,8 @@ def warm(p: dict) -> dict:
 
 
 FIGURES = {
-    f.__name__: f for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate)
+    f.__name__: f
+    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, goodput)
 }
 
 

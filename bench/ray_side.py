@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -156,12 +158,37 @@ def recovery(p: dict) -> dict:
     return {"run": run, "events": read_events(events)}
 
 
-def node_loss(p: dict) -> dict:
-    """Three one-CPU Ray nodes (ray.cluster_utils.Cluster) beside a zero-CPU head; rank 1 kills
-    its node's raylet, then its own process, at step 7."""
+@contextlib.contextmanager
+def ray_nodes(n: int) -> Iterator:
+    """`n` one-CPU Ray nodes (ray.cluster_utils.Cluster) beside a zero-CPU head, and Ray
+    initialised on them; yields the Cluster."""
     import ray
     from ray.cluster_utils import Cluster
 
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+    )
+    try:
+        for _ in range(n):
+            add_node(cluster)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+NODE_OBJECT_STORE = 200 * 2**20
+
+
+def add_node(cluster) -> None:
+    cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE)
+
+
+def node_loss(p: dict) -> dict:
+    """Three one-CPU Ray nodes (`ray_nodes`); rank 1 kills its node's raylet, then its own
+    process, at step 7."""
     events = os.path.join(p["workdir"], "events.jsonl")
     cfg = {
         "steps": 10,
@@ -170,19 +197,50 @@ def node_loss(p: dict) -> dict:
         "report_every": 0,
         "faults": [fault(p, "node")],
     }
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
-    )
-    try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+    with ray_nodes(3):
         run = fit("node-loss", cfg, p)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     return {"run": run, "events": read_events(events)}
+
+
+def goodput(p: dict) -> dict:
+    """One run of `bench.goodput` (it says what p holds), on three one-CPU Ray nodes (one
+    spare); a lost node's place is taken by a new one at once (`ray start`: Cluster.add_node
+    works only on the main thread, which fit() holds). Reports only with checkpoints: a Ray
+    report() costs up to its controller's 2 s poll once its one-slot queue is full."""
+    from bench.goodput import Injector, loop_config
+
+    cfg = loop_config(p, report_every=0)
+    joined: list[subprocess.Popen] = []
+    log = open(os.path.join(p["workdir"], "ray-start.log"), "ab")
+
+    def start_node() -> None:
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        args = [
+            f"--address={cluster.address}",
+            "--num-cpus=1",
+            f"--object-store-memory={NODE_OBJECT_STORE}",
+        ]
+        # --block: the node's processes stay in the group started here, and go with it
+        cmd = [ray, "start", *args, "--block"]
+        joined.append(subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True))
+
+    try:
+        with ray_nodes(3) as cluster:
+            with Injector(cfg, p, replace_node=start_node) as injector:
+                run = fit("goodput", cfg, p, max_failures=-1)
+    finally:
+        for proc in joined:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # our own process groups
+            proc.wait()
+        log.close()
+    events = read_events(cfg["events"])
+    return {
+        "run": run,
+        "events": events,
+        "faults": injector.faults,
+        "injector_error": injector.error,
+    }
 
 
 def cold_start(p: dict) -> dict:
@@ -306,7 +364,7 @@ def warm(p: dict) -> dict:
 
 FIGURES = {
     f.__name__: f
-    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve)
+    for f in (warm, recovery, node_loss, cold_start, steady, checkpoint, rehydrate, serve, goodput)
 }
 
 

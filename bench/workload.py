@@ -21,7 +21,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
@@ -94,6 +94,11 @@ class Api:
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
 
+    def use_snapshots(self, save: Callable[[str], None], jit: Callable[[str], None]) -> None:
+        """Hand the system's in-memory snapshot tier `save(directory)`, for its periodic
+        snapshots, and `jit(directory)`, for a just-in-time save when a peer fails."""
+        raise NotImplementedError(f"{self.system} has no in-memory snapshots")
+
     def wait_committed(self, config: dict, step: int) -> None:
         """Block until the checkpoint reported at `step` is committed (before a fault fires, so
         that every system restores the same checkpoint)."""
@@ -159,11 +164,31 @@ def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _control(control: str, rank: int, step: int, stop_at: int | None, ev: Events) -> int | None:
+    """The harness's files in the directory `control`, looked at before every step: `raise-RANK`
+    makes that rank raise (once: the rank deletes it), `stop` holds the last step to train (the
+    harness writes it with a margin, so every rank reads it before that step)."""
+    try:
+        os.unlink(os.path.join(control, f"raise-{rank}"))
+    except FileNotFoundError:
+        pass
+    else:
+        ev.emit("raise", step=step - 1)
+        raise RuntimeError(f"injected exception on rank {rank} before step {step}")
+    if stop_at is None and os.path.exists(stop := os.path.join(control, "stop")):
+        with open(stop) as f:
+            return int(f.read())
+    return stop_at
+
+
 def run_loop(config: dict, api: Api) -> None:
     """The training loop. Config keys: steps, events, checkpoint_every (0: never),
     checkpoint_bytes (total size of a checkpoint; rank 0 writes it), report_every (0: only with
     checkpoints), upload ("sync"/"async"), faults, serialise (measure the in-memory reference
-    before the first checkpoint), settle (wait for each checkpoint's commit before the next)."""
+    before the first checkpoint), settle (wait for each checkpoint's commit before the next),
+    control (a directory of the harness's files, `_control`), snapshot (offer the system's
+    in-memory snapshot tier the state: rank 0's at every report, and every rank's just in
+    time)."""
     torch.set_num_threads(1)  # two ranks on two cores: one core each, in every system
     rank = api.rank()
     ev = Events(config.get("events"), api.system, rank)
@@ -198,13 +223,27 @@ def run_loop(config: dict, api: Api) -> None:
             else None
         )
     report_s: list[float] = []
+    done = start  # the last step whose optimizer step completed: what a snapshot holds
+
+    def snapshot(d: str) -> None:
+        torch.save(checkpoint_state(model, opt, done, None), os.path.join(d, "state.pt"))
+
+    if config.get("snapshot"):
+        # any survivor may be the one that saves just in time; a restore takes the lowest rank's
+        api.use_snapshots(snapshot if rank == 0 else lambda d: None, snapshot)
+    control, stop_at = config.get("control"), None
 
     for step in range(start + 1, config["steps"] + 1):
+        if control:
+            stop_at = _control(control, rank, step, stop_at, ev)
+            if stop_at is not None and step > stop_at:
+                break
         _fault(config, api, rank, step, ev)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        done = step
         t = time.time()
         ev.emit("step", t=t, step=step, restored=restored)
         metrics = {"step": step, "loss": loss.item(), "t": t}

@@ -1,0 +1,557 @@
+"""Goodput under failures: ft-train and Ray Train V2 on the bench workload, faults on a timer.
+
+    .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30]
+        [--checkpoint-every 60] [--snapshot-every-s 2] [--off-minutes 5]
+        [--fault-free-minutes 2] [--systems ft-train,ray]
+
+One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`):
+each system without faults, checkpoints or snapshots (its fault-free steps/s); ft-train with
+faults and in-memory snapshots; ft-train with faults and no snapshots (no just-in-time save
+either: storage only); Ray with faults. Both train `bench.workload.run_loop` with 2 ranks, on a
+cluster with one spare node, with `max_failures=-1`, and checkpoint to local storage every
+`--checkpoint-every` seconds' worth of their own fault-free steps (asynchronous upload).
+
+Faults come from outside the ranks (`Injector`, a thread in the measuring process), one every
+`--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
+in a rank (a file the loop looks for before every step), and the loss of a rank's node (its
+parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, and a new
+node started at once). A fault that falls due while the group is restarting waits for the
+group's first step. At the end the injector writes the last step to train, a little past the
+step reached, and the run ends there.
+
+Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
+the same system's fault-free steps/s; per fault, steps lost = the step reached before the
+restart - the step the restart resumed from, and recovery = the fault -> the first step every
+rank completed after the restart. Results merge into bench/results.json under
+figures["goodput"]; the steps over time go to bench/goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ("kill", "raise", "node")  # in turn, unless --kinds says otherwise
+KIND_NAMES = {"kill": "rank SIGKILL", "raise": "rank exception", "node": "worker/node kill"}
+WORLD = 2
+POLL_S = 0.1
+FT, RAY = "bench.ft_side", "bench.ray_side"
+
+
+def loop_config(p: dict, report_every: int) -> dict:
+    """The training loop's config for one goodput run (`p`: the measurement's parameters)."""
+    control = os.path.join(p["workdir"], "control")
+    os.makedirs(control, exist_ok=True)
+    return {
+        "steps": 10**9,  # until the injector's stop
+        "events": os.path.join(p["workdir"], "events.jsonl"),
+        "control": control,
+        "report_every": report_every,
+        "checkpoint_every": p.get("checkpoint_every", 0),
+        "upload": "async",
+        "snapshot": bool(p.get("snapshot_every")),
+    }
+
+
+# -- the injector ----------------------------------------------------------------------------
+
+
+class _Log:
+    """What the ranks' event log says so far, read as it grows."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.rest = path, 0, b""
+        self.start_t: dict[int, float] = {}
+        self.pid: dict[int, int] = {}
+        self.step_t: dict[int, float] = {}
+        self.step_one: dict[int, float] = {}
+        self.max_step = 0
+        self.recent: deque[float] = deque(maxlen=10_000)  # rank 0's latest steps' times
+
+    def poll(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        for line in lines:
+            e = json.loads(line)
+            r = e["rank"]
+            if e["event"] == "start":
+                self.start_t[r], self.pid[r] = e["t"], e["pid"]
+            elif e["event"] == "step":
+                self.step_t[r], self.max_step = e["t"], max(self.max_step, e["step"])
+                if r == 0:
+                    self.recent.append(e["t"])
+                if e["step"] == 1:
+                    self.step_one.setdefault(r, e["t"])
+
+    def first_step_t(self) -> float | None:
+        """When every rank had completed step 1 (the first time)."""
+        return max(self.step_one.values()) if len(self.step_one) == WORLD else None
+
+    def stop_step(self) -> int:
+        """A step every rank is still before when it next looks: one second's steps past the
+        highest yet (the log is read every POLL_S), and a few more."""
+        now = time.time()
+        return self.max_step + 3 + sum(1 for t in self.recent if t > now - 1)
+
+    def training(self, since: float) -> bool:
+        """Every rank started after `since` and has completed a step since it started."""
+        return all(
+            self.start_t.get(r, 0) > since and self.step_t.get(r, 0) > self.start_t[r]
+            for r in range(WORLD)
+        )
+
+
+def _parent(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        return ppid, f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+
+
+class Injector:
+    """A thread that injects a fault every `p["fault_every_s"]` (0: none) from the first step,
+    then, `p["duration_s"]` after the first step, tells the ranks where to stop. `replace_node`
+    starts a new node after a node is lost. `faults`: what it did, each with its time."""
+
+    def __init__(self, cfg: dict, p: dict, replace_node: Callable[[], None]):
+        self.cfg, self.replace_node = cfg, replace_node
+        self.every_s, self.duration_s = p.get("fault_every_s", 0), p["duration_s"]
+        self.kinds = p.get("kinds", KINDS)
+        self.faults: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="injector", daemon=True)
+
+    def __enter__(self) -> Injector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()  # the run ended (or failed): nothing left to do
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        log = _Log(self.cfg["events"])
+        try:
+            self._faults(log)
+        except Exception:  # recorded with the run's figures; the run is ended below
+            self.error = traceback.format_exc()
+        finally:
+            log.poll()
+            self._stop(log.stop_step())
+
+    def _faults(self, log: _Log) -> None:
+        while (t1 := log.first_step_t()) is None:
+            if self._done.wait(POLL_S):
+                return
+            log.poll()
+        last_fault, k = 0.0, 0
+        while not self._done.wait(POLL_S) and time.time() < t1 + self.duration_s:
+            log.poll()
+            due = t1 + (k + 1) * self.every_s
+            if self.every_s and time.time() >= due and log.training(since=last_fault):
+                last_fault = self._inject(k, log)
+                k += 1
+
+    def _inject(self, k: int, log: _Log) -> float:
+        kind, rank = self.kinds[k % len(self.kinds)], (k + 1) % WORLD
+        pid = log.pid[rank]
+        rec: dict[str, Any] = {"kind": kind, "rank": rank, "pid": pid, "t": time.time()}
+        try:
+            if kind == "raise":
+                open(os.path.join(self.cfg["control"], f"raise-{rank}"), "w").close()
+            elif kind == "kill":
+                os.kill(pid, signal.SIGKILL)
+            else:
+                parent, rec["parent"] = _parent(pid)
+                os.kill(parent, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError) as e:  # gone already: recorded, not hidden
+            rec["error"] = repr(e)
+        self.faults.append(rec)
+        if kind == "node":
+            self.replace_node()
+        return rec["t"]
+
+    def _stop(self, step: int) -> None:
+        path = os.path.join(self.cfg["control"], "stop")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(path + ".tmp", path)  # a rank reads all of it or nothing
+
+
+# -- figures from the event log --------------------------------------------------------------
+
+
+def _by_rank(events: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        out.setdefault(e["rank"], []).append(e)
+    return out
+
+
+def progress(events: list[dict]) -> dict | None:
+    """Step 1 (the first time, every rank) to the final step (every rank): steps per second."""
+    ranks = _by_rank(events)
+    firsts, lasts = [], []
+    for evs in ranks.values():
+        steps = [e for e in evs if e["event"] == "step"]
+        one = next((e["t"] for e in steps if e["step"] == 1), None)
+        if one is None:
+            return None
+        firsts.append(one)
+        lasts.append(steps[-1])
+    if len(ranks) < WORLD:
+        return None
+    t1, final = max(firsts), min(e["step"] for e in lasts)
+    wall = max(e["t"] for e in lasts) - t1
+    return {"t1": t1, "final_step": final, "wall_s": wall, "steps_per_s": (final - 1) / wall}
+
+
+def fault_figures(events: list[dict], t_fault: float) -> dict:
+    """Steps lost and recovery time of the fault at `t_fault`: on each rank, the last step
+    before its first start after the fault, and the first step after that start."""
+    reached, resumed, recovered = [], [], []
+    for evs in _by_rank(events).values():
+        i = next((i for i, e in enumerate(evs) if e["event"] == "start" and e["t"] > t_fault), None)
+        if i is None:
+            return {"recovered": False}
+        before = [e["step"] for e in evs[:i] if e["event"] == "step"]
+        after = next((e for e in evs[i:] if e["event"] == "step"), None)
+        if after is None:
+            return {"recovered": False}
+        reached.append(before[-1] if before else 0)
+        resumed.append(after["step"] - 1)
+        recovered.append(after["t"])
+    return {
+        "recovered": True,
+        "reached": min(reached),
+        "resumed_from": min(resumed),
+        "lost_steps": min(reached) - min(resumed),
+        "recovery_s": max(recovered) - t_fault,
+    }
+
+
+def _stats(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "max": max(xs)}
+
+
+def _series(events: list[dict], t1: float) -> list[list[float]]:
+    """Rank 0's steps over time, thinned: a point a second, and both sides of every restart
+    and of every pause over half a second."""
+    steps = [e for e in _by_rank(events).get(0, []) if e["event"] == "step"]
+    out: list[list[float]] = []
+    for i, e in enumerate(steps):
+        nxt, prev = steps[i + 1] if i + 1 < len(steps) else None, steps[i - 1] if i else None
+        edge = (nxt is None or nxt["step"] != e["step"] + 1 or nxt["t"] - e["t"] > 0.5) or (
+            prev is None or prev["step"] != e["step"] - 1 or e["t"] - prev["t"] > 0.5
+        )
+        if edge or e["t"] - t1 - out[-1][0] >= 1:
+            out.append([round(e["t"] - t1, 2), e["step"]])
+    return out
+
+
+def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
+    """One run's figures from its child's result (`fault_free`: the system's steps/s)."""
+    events, faults = result.get("events", []), result.get("faults", [])
+    out: dict[str, Any] = {
+        "params": {k: v for k, v in p.items() if k not in ("workdir", "s3_endpoint")},
+        "status": (result.get("run") or {}).get("status"),
+        "error": result.get("error"),
+        "injector_error": result.get("injector_error"),
+    }
+    prog = progress(events)
+    if prog is None:
+        return out
+    t1 = prog.pop("t1")
+    per_fault = [
+        {
+            **{k: f[k] for k in ("kind", "rank") if k in f},
+            "t_s": round(f["t"] - t1, 2),
+            **({"error": f["error"]} if "error" in f else {}),
+            **fault_figures(events, f["t"]),
+        }
+        for f in faults
+    ]
+    done = [f for f in per_fault if f["recovered"]]
+    out.update(prog)
+    out.update(
+        {
+            "fault_free_steps_per_s": fault_free,
+            "goodput": prog["steps_per_s"] / fault_free if fault_free else None,
+            "faults": per_fault,
+            "unrecovered": len(per_fault) - len(done),
+            "lost_steps": _stats([f["lost_steps"] for f in done]),
+            "recovery_s": _stats([f["recovery_s"] for f in done]),
+            "by_kind": {
+                kind: {
+                    "count": len(fs),
+                    "lost_steps": _stats([f["lost_steps"] for f in fs]),
+                    "recovery_s": _stats([f["recovery_s"] for f in fs]),
+                }
+                for kind in KINDS
+                if (fs := [f for f in done if f["kind"] == kind])
+            },
+            "series": _series(events, t1),
+        }
+    )
+    return out
+
+
+# -- the runs --------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every run, one after the other; {name: figures}."""
+    from bench.run import Suite
+
+    s = Suite(argparse.Namespace(quick=False, keep=args.keep))
+    print(f"work directory {s.dir}", flush=True)
+    modules = {"ft-train": FT, "ray": RAY}
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    runs: dict[str, dict] = {}
+
+    def child(name: str, system: str, p: dict, fault_free: float | None) -> dict:
+        r = s.child(modules[system], "goodput", p, timeout=p["duration_s"] + 900)
+        runs[name] = summarise(r, fault_free, p)
+        runs[name]["system"] = system
+        if r.get("error"):
+            runs[name]["log_tail"] = r.get("log_tail")
+        return runs[name]
+
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    rate: dict[str, float | None] = {}
+    for system in systems:
+        p = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
+        rate[system] = child(f"{system}, fault-free", system, p, None).get("steps_per_s")
+    for system in systems:
+        if not rate[system]:
+            continue  # its fault-free run failed: no intervals to derive, nothing to compare
+        every = round(args.checkpoint_every * rate[system])
+        faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every, "kinds": kinds}
+        if system == "ray":
+            child("ray", system, {**faulted, "duration_s": args.minutes * 60}, rate[system])
+            continue
+        snap = max(1, round(args.snapshot_every_s * rate[system]))
+        on = {**faulted, "duration_s": args.minutes * 60, "snapshot_every": snap}
+        child("ft-train", system, on, rate[system])
+        if args.off_minutes:
+            off = {**faulted, "duration_s": args.off_minutes * 60}
+            child("ft-train, snapshots off", system, off, rate[system])
+    return runs
+
+
+def targets(runs: dict) -> dict:
+    """The issue's targets, each True/False, or None where a figure is missing."""
+    ft, ray = runs.get("ft-train", {}), runs.get("ray", {})
+    g, rg = ft.get("goodput"), ray.get("goodput")
+    lost, rlost = ft.get("lost_steps"), ray.get("lost_steps")
+    snap = ft.get("params", {}).get("snapshot_every")
+    return {
+        "goodput >= 0.95": None if g is None else g >= 0.95,
+        "steps lost per failure <= one snapshot interval": (
+            None if lost is None or not snap else lost["max"] <= snap
+        ),
+        "goodput ahead of Ray's": None if g is None or rg is None else g > rg,
+        "steps lost per failure fewer than Ray's (mean)": (
+            None if lost is None or rlost is None else lost["mean"] < rlost["mean"]
+        ),
+    }
+
+
+# -- the table and the plot ------------------------------------------------------------------
+
+ORDER = ["ft-train", "ft-train, snapshots off", "ray", "ft-train, fault-free", "ray, fault-free"]
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _med_max(s: dict | None, fmt: str) -> str:
+    return "n/a" if s is None else f"{s['median']:{fmt}} / {s['max']:{fmt}}"
+
+
+def table(fig: dict) -> str:
+    runs = fig.get("runs", {})
+    names = [n for n in ORDER if n in runs and "fault-free" not in n]
+    head = {"ft-train": "ft-train, snapshots on", "ray": "Ray Train V2"}
+    rows: list[tuple[str, Callable[[dict], str]]] = [
+        ("goodput (useful steps/s / fault-free steps/s)", lambda r: _f(r.get("goodput"), ".3f")),
+        ("useful steps/s under faults", lambda r: _f(r.get("steps_per_s"))),
+        ("fault-free steps/s", lambda r: _f(r.get("fault_free_steps_per_s"))),
+        (
+            "run from step 1: seconds, final step, faults (not recovered)",
+            lambda r: (
+                f"{_f(r.get('wall_s'), '.0f')} s, {r.get('final_step', 'n/a')}, "
+                f"{len(r.get('faults', []))} ({r.get('unrecovered', 'n/a')})"
+            ),
+        ),
+        (
+            "checkpoint / snapshot every (steps)",
+            lambda r: (
+                f"{r['params'].get('checkpoint_every', 'n/a')} / "
+                f"{r['params'].get('snapshot_every') or 'off'}"
+            ),
+        ),
+        ("steps lost per failure, median / max", lambda r: _med_max(r.get("lost_steps"), ".0f")),
+        ("recovery s, median / max", lambda r: _med_max(r.get("recovery_s"), ".2f")),
+    ]
+    for kind in KINDS:
+        rows.append(
+            (
+                f"{KIND_NAMES[kind]}: steps lost, recovery s (medians)",
+                lambda r, k=kind: (
+                    "n/a"
+                    if k not in r.get("by_kind", {})
+                    else f"{r['by_kind'][k]['lost_steps']['median']:.0f}, "
+                    f"{r['by_kind'][k]['recovery_s']['median']:.2f} "
+                    f"({r['by_kind'][k]['count']})"
+                ),
+            )
+        )
+    out = "| | " + " | ".join(head.get(n, n) for n in names) + " |\n"
+    out += "|---" * (len(names) + 1) + "|\n"
+    for label, cell in rows:
+        out += f"| {label} | " + " | ".join(cell(runs[n]) for n in names) + " |\n"
+    met = {True: "met", False: "MISSED", None: "n/a"}
+    out += "\n" + "\n".join(f"- {k}: {met[v]}" for k, v in fig.get("targets", {}).items())
+    return out + "\n"
+
+
+def draw(fig: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ft-train": "tab:blue", "ft-train, snapshots off": "tab:green", "ray": "tab:orange"}
+    label = {"ft-train": "ft-train, snapshots on", "ray": "Ray Train V2"}
+    f, ax = plt.subplots(figsize=(11, 5.5))
+    for name, color in colors.items():
+        r = fig.get("runs", {}).get(name)
+        if not r or not r.get("series"):
+            continue
+        faults = [fl for fl in r.get("faults", []) if fl.get("recovered")]
+        xs: list[float] = []
+        ys: list[float] = []
+        for i, (t, step) in enumerate(r["series"]):
+            if i and any(r["series"][i - 1][0] < fl["t_s"] <= t for fl in faults):
+                xs.append(float("nan"))  # a restart: no line across it
+                ys.append(float("nan"))
+            xs.append(t / 60)
+            ys.append(step)
+        for fl in faults:  # at the fault, back to the step resumed from, until the first step
+            t0, t1 = fl["t_s"] / 60, (fl["t_s"] + fl["recovery_s"]) / 60
+            xs += [float("nan"), t0, t0, t1]
+            ys += [float("nan"), fl["reached"], fl["resumed_from"], fl["resumed_from"]]
+        good = f" (goodput {r['goodput']:.2f})" if r.get("goodput") is not None else ""
+        ax.plot(xs, ys, color=color, lw=1.2, label=label.get(name, name) + good)
+        for fl in faults:
+            ax.plot(fl["t_s"] / 60, fl["reached"], "x", color=color, ms=5)
+        if r.get("fault_free_steps_per_s") and r.get("wall_s"):
+            end = r["wall_s"]
+            ax.plot([0, end / 60], [1, 1 + end * r["fault_free_steps_per_s"]], ":", color=color)
+    ax.set_xlabel("minutes from step 1")
+    ax.set_ylabel("step (rank 0)")
+    every = fig.get("params", {}).get("fault_every_s", "?")
+    ax.set_title(f"Steps over time, a fault every {every} s (x: a fault; dotted: fault-free pace)")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    f.tight_layout()
+    f.savefig(path, dpi=110)
+    plt.close(f)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
+    """Merge into results.json under figures["goodput"], keeping every other figure."""
+    from bench.run import commit, load, machine
+
+    stored: dict[str, Any] = {}
+    if os.path.exists(args.results):
+        with open(args.results) as f:
+            stored = json.load(f)
+    figures = stored.setdefault("figures", {})
+    old = figures.get("goodput", {})
+    fig = {
+        "params": {
+            "minutes": args.minutes,
+            "fault_every_s": args.fault_every,
+            "checkpoint_every_s": args.checkpoint_every,
+            "snapshot_every_s": args.snapshot_every_s,
+            "off_minutes": args.off_minutes,
+            "fault_free_minutes": args.fault_free_minutes,
+            "kinds": args.kinds.split(","),
+        },
+        "runs": {**old.get("runs", {}), **fig_runs},
+    }
+    fig["targets"] = targets(fig["runs"])
+    figures["goodput"] = fig
+    stored.setdefault("runs", {})["goodput"] = {
+        "when": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench.goodput", *sys.argv[1:]]),
+        "load": before,
+        "load_after": load(),
+        "commit": commit(),
+        "machine": machine(),
+    }
+    with open(args.results, "w") as f:
+        json.dump(stored, f, indent=1)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10, help="each run with faults (snapshots on)")
+    p.add_argument("--fault-every", type=float, default=30, help="seconds between faults")
+    p.add_argument("--checkpoint-every", type=float, default=60, help="seconds' worth of steps")
+    p.add_argument("--snapshot-every-s", type=float, default=2, help="seconds' worth of steps")
+    p.add_argument("--off-minutes", type=float, default=5, help="ft-train, snapshots off; 0: none")
+    p.add_argument("--fault-free-minutes", type=float, default=2)
+    p.add_argument("--kinds", default=",".join(KINDS), help="the faults' order, from " + str(KINDS))
+    p.add_argument("--systems", default="ft-train,ray", help="ft-train, ray, or both")
+    p.add_argument("--keep", action="store_true", help="keep each run's work directory")
+    p.add_argument("--results", default=os.path.join(HERE, "results.json"))
+    p.add_argument("--plot", default=os.path.join(HERE, "goodput.png"))
+    p.add_argument("--table", action="store_true", help="print the stored figures and exit")
+    args = p.parse_args(argv)
+    if set(args.kinds.split(",")) - set(KINDS):
+        p.error(f"--kinds: choose from {KINDS}")
+    if args.table:
+        with open(args.results) as f:
+            print(table(json.load(f)["figures"]["goodput"]))
+        return
+    from bench.run import load
+
+    before = load()
+    fig = save(measure(args), args, before)
+    print("\n" + table(fig))
+    print(f"results: {args.results}")
+    draw(fig, args.plot)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

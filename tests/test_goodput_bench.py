@@ -1,0 +1,138 @@
+"""`python -m bench.goodput`'s machinery, so that it cannot rot: the figures it draws from an
+event log, the loop's control files, and the injector against real processes (bench/README.md
+has the figures of a full run)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+
+import pytest
+
+from bench import goodput
+from bench.workload import Api, Events, read_events, run_loop
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _steps(ev: list[dict], rank: int, steps: range, t0: float, dt: float) -> float:
+    for i, s in enumerate(steps):
+        ev.append({"rank": rank, "event": "step", "step": s, "t": t0 + i * dt})
+    return t0 + (len(steps) - 1) * dt
+
+
+def test_the_figures_of_an_event_log_with_a_restart():
+    # Two ranks, 10 steps/s: steps 1-51 from t=1.0, a fault at t=6.02, a restart at t=8.0 that
+    # restores step 45; rank 1 completes its first step after it last, at t=8.65.
+    ev: list[dict] = []
+    for rank in (0, 1):
+        ev.append({"rank": rank, "event": "start", "t": 0.5, "pid": 10 + rank})
+        _steps(ev, rank, range(1, 52), 1.0 + rank * 0.01, 0.1)
+        ev.append({"rank": rank, "event": "start", "t": 8.0, "pid": 20 + rank})
+        ev.append({"rank": rank, "event": "restored", "t": 8.2, "step": 45})
+        _steps(ev, rank, range(46, 101), 8.6 + rank * 0.05, 0.1)
+    figures = goodput.fault_figures(ev, 6.02)
+    assert figures["reached"] == 51 and figures["resumed_from"] == 45
+    assert figures["lost_steps"] == 6
+    assert figures["recovery_s"] == pytest.approx(8.65 - 6.02)
+
+    prog = goodput.progress(ev)
+    # step 1 on both ranks at 1.01; step 100 on both at 8.65 + 5.4
+    assert prog["final_step"] == 100
+    assert prog["wall_s"] == pytest.approx(8.65 + 5.4 - 1.01)
+    assert prog["steps_per_s"] == pytest.approx(99 / (8.65 + 5.4 - 1.01))
+
+    out = goodput.summarise(
+        {"events": ev, "faults": [{"kind": "kill", "rank": 1, "t": 6.02}]}, 10.0, {}
+    )
+    assert out["goodput"] == pytest.approx(prog["steps_per_s"] / 10.0)
+    assert out["faults"][0]["t_s"] == pytest.approx(6.02 - 1.01, abs=0.01)
+    assert out["lost_steps"]["max"] == 6 and out["unrecovered"] == 0
+    # the series drops back at the restart: its last point before it and its first after it
+    assert [51, 46] == [p[1] for p in out["series"] if p[1] in (51, 46)]
+
+    # a fault after which nothing restarted: not recovered, and left out of the figures
+    late = goodput.summarise(
+        {"events": ev, "faults": [{"kind": "node", "rank": 0, "t": 99.0}]}, 10.0, {}
+    )
+    assert late["unrecovered"] == 1 and late["lost_steps"] is None
+
+
+class _OneRank(Api):
+    """The loop on one process, without a framework."""
+
+    system = "test"
+
+    def rank(self) -> int:
+        return 0
+
+    def prepare_model(self, model):
+        return model
+
+    @contextlib.contextmanager
+    def checkpoint_dir(self):
+        yield None
+
+    def report(self, metrics, checkpoint_dir, mode) -> None:
+        pass
+
+
+def test_the_loop_stops_at_the_harness_step_and_raises_once_when_told(tmp_path):
+    control, events = tmp_path / "control", str(tmp_path / "events.jsonl")
+    control.mkdir()
+    config = {"steps": 10**9, "events": events, "control": str(control), "report_every": 0}
+    (control / "stop").write_text("4")
+    run_loop(config, _OneRank())
+    assert [e["step"] for e in read_events(events) if e["event"] == "step"] == [1, 2, 3, 4]
+
+    (control / "raise-0").touch()
+    with pytest.raises(RuntimeError, match="injected exception on rank 0 before step 1"):
+        run_loop(config, _OneRank())
+    assert not (control / "raise-0").exists()  # once
+    assert read_events(events)[-1]["event"] == "raise"
+
+
+def test_the_injector_kills_waits_for_the_restart_then_raises_and_stops(tmp_path):
+    control, path = tmp_path / "control", str(tmp_path / "events.jsonl")
+    control.mkdir()
+    cfg = {"events": path, "control": str(control)}
+    p = {"duration_s": 1.5, "fault_every_s": 0.2, "kinds": ("kill", "raise")}
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    log = [Events(path, "test", r) for r in range(2)]
+    try:
+        with goodput.Injector(cfg, p, replace_node=lambda: None) as injector:
+            t1 = time.time()  # at most the injector's: when every rank had completed step 1
+            for r in range(2):
+                log[r].emit("start", pid=ranks[r].pid)
+                log[r].emit("step", step=1)
+            # fault 0: rank 1's process SIGKILLed once the first fault is due
+            assert ranks[1].wait(timeout=10) == -9
+            assert ranks[0].poll() is None
+            # no fault while the group restarts, though the next falls due at t1 + 0.4
+            wait_for(lambda: time.time() > t1 + 0.6, 5, "the second fault's time to pass")
+            assert len(injector.faults) == 1
+            for r in range(2):
+                log[r].emit("start", pid=ranks[0].pid)
+            restarted = time.time()
+            for step in range(2, 6):
+                for r in range(2):
+                    log[r].emit("step", step=step)
+            # fault 1: rank 0 told to raise, once the group trains again
+            wait_for((control / "raise-0").exists, 10, "rank 0's raise file")
+            wait_for((control / "stop").exists, 10, "the stop file")
+            stop = int((control / "stop").read_text())
+        kinds = [(f["kind"], f["rank"]) for f in injector.faults]
+        assert kinds == [("kill", 1), ("raise", 0)]
+        assert injector.faults[0]["t"] >= t1 + 0.2 and injector.faults[1]["t"] > restarted
+        assert 5 + 3 <= stop <= 5 + 3 + 5  # past the last step, by at most a second's steps
+    finally:
+        for proc in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        for e in log:
+            if e.fd is not None:
+                os.close(e.fd)
