@@ -3,7 +3,8 @@
 nightly` from prefect.yaml, `ft-train automations install`, and `prefect worker start`.
 
 - A deployed run's flow process is SIGKILLed after a checkpoint: a new flow run starts by
-  itself (the rerun automation), resumes from that checkpoint and completes.
+  itself (the rerun automation), resumes from that checkpoint and completes. Also on the
+  session's `prefect server start` on PostgreSQL (tests/postgres.py); the rest runs on SQLite.
 - A training function that kills its driver every time: the driver-restart budget stops the
   reruns, and the run ends Failed with an error that names the setting.
 - The scheduler creates two runs of a scheduled deployment: each is named after its slot and
@@ -29,7 +30,7 @@ import ft_train
 from ft_train.driver.lease import read_lease
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
-from tests import prefect_e2e
+from tests import postgres, prefect_e2e
 from tests.helpers import wait_for
 from tests.prefect_e2e import cli, client_env, tail
 
@@ -45,6 +46,15 @@ def deployed(tmp_path_factory):
         workdir = tmp_path_factory.mktemp("worker")
         with prefect_e2e.deployed(env, ["demo", "nightly"], workdir, automations=True) as log:
             yield env, log
+
+
+@pytest.fixture(scope="module")
+def deployed_on_postgres(postgres_api, tmp_path_factory):
+    """The session's `prefect server start` on PostgreSQL (tests/conftest.py), with the `demo`
+    deployment, the recovery automations and a worker; yields (environment, worker log)."""
+    env, workdir = client_env(postgres_api), tmp_path_factory.mktemp("worker-postgres")
+    with prefect_e2e.deployed(env, ["demo"], workdir, automations=True) as log:
+        yield env, log
 
 
 def _api(env: dict) -> str:
@@ -85,9 +95,13 @@ def _fast(storage_path: str, name: str, **loop) -> dict:
     }
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
-def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_path):
-    env, worker_log = deployed
+def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(database, request, tmp_path):
+    """On both of the server's databases: the crash reaches the rerun through the server's
+    events, automation and state tables. The other tests here run on SQLite only."""
+    fixture = "deployed" if database == "sqlite" else "deployed_on_postgres"
+    env, worker_log = request.getfixturevalue(fixture)
     runs, name = str(tmp_path / "runs"), f"crash-{uuid.uuid4().hex[:6]}"
     hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
     first = _run(env, "ft-train/demo", _fast(runs, name, faults=[hold]))
@@ -117,6 +131,10 @@ def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_
     assert result.metrics["resumed_from"] == 10
     assert [(f.kind, f.charged) for f in result.failures] == [("driver_crash", False)]
     assert checkpoint.rsplit("/", 1)[-1].startswith("checkpoint_000010-")
+    if database == "postgresql":  # the server stored both runs there, not in a SQLite file
+        database_url = request.getfixturevalue("postgres_database")
+        assert postgres.stored_flow_run(database_url, first) == (name, "CRASHED")
+        assert postgres.stored_flow_run(database_url, rerun["id"]) == (name, "COMPLETED")
 
 
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
