@@ -57,6 +57,17 @@ def deployed_on_postgres(postgres_api, tmp_path_factory):
         yield env, log
 
 
+_DEPLOYED = {"sqlite": "deployed", "postgresql": "deployed_on_postgres"}
+
+
+@pytest.fixture
+def database(request) -> str:
+    """The database of the server a test runs on, "sqlite" or "postgresql" (an indirect
+    parametrization); its module's deployment is made in the test's setup, as a fixture's is."""
+    request.getfixturevalue(_DEPLOYED[request.param])
+    return request.param
+
+
 def _api(env: dict) -> str:
     return env["PREFECT_API_URL"]
 
@@ -95,13 +106,12 @@ def _fast(storage_path: str, name: str, **loop) -> dict:
     }
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"], indirect=True)
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
 def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(database, request, tmp_path):
     """On both of the server's databases: the crash reaches the rerun through the server's
     events, automation and state tables. The other tests here run on SQLite only."""
-    fixture = "deployed" if database == "sqlite" else "deployed_on_postgres"
-    env, worker_log = request.getfixturevalue(fixture)
+    env, worker_log = request.getfixturevalue(_DEPLOYED[database])
     runs, name = str(tmp_path / "runs"), f"crash-{uuid.uuid4().hex[:6]}"
     hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
     first = _run(env, "ft-train/demo", _fast(runs, name, faults=[hold]))
