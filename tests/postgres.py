@@ -1,5 +1,6 @@
 """Prefect on PostgreSQL, for the tests: a PostgreSQL server of the test's own (a temporary data
-directory, a free port on loopback), and `prefect server start` on it, as production runs it.
+directory, a free port on loopback), and `prefect server start` on it, as production runs it
+(started by tests/prefect_e2e.py, as every server of the tests).
 
 PostgreSQL refuses to run as root: as root, the server runs as the `postgres` user that Debian's
 package creates. `unavailable()` says why it cannot run here (not installed: `.ci/run` installs
@@ -8,6 +9,7 @@ Debian's `postgresql` package).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import os
@@ -15,15 +17,14 @@ import pwd
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from ft_train.worker.rank import free_port
+from tests import prefect_e2e
 
 USER, PASSWORD, DATABASE = "prefect", "prefect-test-password", "prefect"
 
@@ -132,37 +133,24 @@ def postgres_server(workdir: Path) -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def prefect_server(database_url: str, workdir: Path) -> Iterator[str]:
-    """`prefect server start` on `database_url`, with a Prefect home of its own (no SQLite
-    database is made); yields its API URL once it answers."""
-    port, log = free_port(), workdir / "prefect-server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(
-        PREFECT_HOME=str(workdir / "prefect-home"),
-        PREFECT_API_DATABASE_CONNECTION_URL=database_url,
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        DO_NOT_TRACK="1",
-    )
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port), "--no-ui"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        _wait(lambda: _healthy(api), 180, "prefect server start", proc, log)
-        yield api
-    finally:
-        _stop(proc)
+def prefect_server(database_url: str, workdir: Path) -> contextlib.AbstractContextManager[str]:
+    """`prefect server start` on `database_url` (tests/prefect_e2e.py starts it), with a Prefect
+    home of its own (no SQLite database is made); yields its API URL once it answers."""
+    return prefect_e2e.server(workdir, database_url)
 
 
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def stored_flow_run(database_url: str, flow_run_id: str) -> tuple[str, str] | None:
+    """(name, state type) of a flow run as the server's PostgreSQL database holds it."""
+    import asyncpg
+
+    async def read() -> tuple[str, str] | None:
+        conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            row = await conn.fetchrow(
+                "SELECT name, state_type FROM flow_run WHERE id = $1", uuid.UUID(flow_run_id)
+            )
+        finally:
+            await conn.close()
+        return None if row is None else (row["name"], str(row["state_type"]))
+
+    return asyncio.run(read())

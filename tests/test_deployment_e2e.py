@@ -11,71 +11,20 @@ the flow-run process finds the code only through the deployment's pull step.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 import ft_train
+from tests import postgres
 from tests.conftest import on_storage
+from tests.prefect_e2e import PREFECT, REPO, client_env, deployed, tail
 
-REPO = Path(__file__).resolve().parents[1]
-PREFECT = [sys.executable, "-m", "prefect"]
-POOL = "ft-train-process"
 DEPLOYMENT = "ft-train/demo"
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
-
-
-def _start(args: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
-    """A long-running CLI process in its own process group, output to `log`."""
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """Stop a process, its process group, and every descendant (the worker's flow-run supervisor
-    starts its own process group, and Dask workers hang below it): TERM, then KILL after grace_s."""
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:  # already gone: only the group may be left
-        family = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-        _, family = psutil.wait_procs(family, timeout=grace_s)
-        if not family and proc.poll() is not None:
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-
-
-def _cli(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """A Prefect CLI command from the repository root; fails the test with its output."""
-    done = subprocess.run(
-        PREFECT + args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
-    )
-    assert done.returncode == 0, (
-        f"`prefect {' '.join(args)}` exited {done.returncode}:\n"
-        f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    )
-    return done
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -85,31 +34,15 @@ def prefect_server(request):
     cost ~15 s), and `prefect server start` on PostgreSQL, as production runs it. Every test
     of this module, through this fixture or `demo_deployment`, runs on both."""
     api = request.getfixturevalue("prefect_api" if request.param == "sqlite" else "postgres_api")
-    return {
-        **os.environ,
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
-        "COLUMNS": "200",  # keep the CLI's rich output on one line per item
-    }
+    return client_env(api)
 
 
 @pytest.fixture(scope="module")
 def demo_deployment(prefect_server, tmp_path_factory):
     """The work pool, the `demo` deployment from prefect.yaml, and a worker polling the pool;
     yields (environment, worker log)."""
-    env = prefect_server
-    _cli(["work-pool", "create", POOL, "--type", "process"], env, timeout_s=120)
-    _cli(["--no-prompt", "deploy", "-n", "demo"], env, timeout_s=180)
-
-    workdir = tmp_path_factory.mktemp("worker")  # not the project: the pull step must get there
-    log = workdir / "worker.log"
-    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}  # pick a new run up at once
-    worker = _start(PREFECT + ["worker", "start", "--pool", POOL], worker_env, workdir, log)
-    try:
-        yield env, log
-    finally:
-        _stop(worker)
+    with deployed(prefect_server, ["demo"], tmp_path_factory.mktemp("worker")) as log:
+        yield prefect_server, log
 
 
 @on_storage("s3")  # storage_options as a deployment parameter, as a team passes them
@@ -149,9 +82,7 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
         text=True,
         timeout=300,
     )
-    output = (
-        f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n--- worker log ---\n{_tail(worker_log)}"
-    )
+    output = f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}\n--- worker log ---\n{tail(worker_log)}"
     assert done.returncode == 0, f"the deployment run did not complete:\n{output}"
 
     match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
@@ -161,7 +92,7 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
     assert flow_run["name"] == name, "the flow run should be named after run_config.name"
     assert flow_run["deployment_id"] == deployment["id"]
     if request.node.callspec.params["prefect_server"] == "postgresql":  # stored there, not SQLite
-        row = stored_flow_run(request.getfixturevalue("postgres_database"), match.group(1))
+        row = postgres.stored_flow_run(request.getfixturevalue("postgres_database"), match.group(1))
         assert row == (name, "COMPLETED"), row
 
     result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
@@ -169,22 +100,3 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
     assert result.checkpoint is not None and len(result.best_checkpoints) >= 1
     assert "step" in result.metrics
     assert result.failures == []
-
-
-def stored_flow_run(database_url: str, flow_run_id: str) -> tuple[str, str] | None:
-    """(name, state type) of a flow run as the server's PostgreSQL database holds it."""
-    import asyncio
-
-    import asyncpg
-
-    async def read() -> tuple[str, str] | None:
-        conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
-        try:
-            row = await conn.fetchrow(
-                "SELECT name, state_type FROM flow_run WHERE id = $1", uuid.UUID(flow_run_id)
-            )
-        finally:
-            await conn.close()
-        return None if row is None else (row["name"], str(row["state_type"]))
-
-    return asyncio.run(read())

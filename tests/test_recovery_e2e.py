@@ -3,7 +3,8 @@
 nightly` from prefect.yaml, `ft-train automations install`, and `prefect worker start`.
 
 - A deployed run's flow process is SIGKILLed after a checkpoint: a new flow run starts by
-  itself (the rerun automation), resumes from that checkpoint and completes.
+  itself (the rerun automation), resumes from that checkpoint and completes. Also on the
+  session's `prefect server start` on PostgreSQL (tests/postgres.py); the rest runs on SQLite.
 - A training function that kills its driver every time: the driver-restart budget stops the
   reruns, and the run ends Failed with an error that names the setting.
 - The scheduler creates two runs of a scheduled deployment: each is named after its slot and
@@ -18,9 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -32,69 +30,42 @@ import ft_train
 from ft_train.driver.lease import read_lease
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
+from tests import postgres, prefect_e2e
 from tests.helpers import wait_for
-from tests.test_deployment_e2e import PREFECT, REPO, _cli, _start, _stop, _tail
-
-POOL = "ft-train-process"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.prefect_e2e import cli, client_env, tail
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`prefect server start` on loopback, with its own home; yields the clients' environment.
-    Its scheduler looks every 2 s (default 60) so a test's slots are scheduled at once."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "DO_NOT_TRACK": "1",
-        "COLUMNS": "200",
-    }
-    args = ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
-    proc = _start(PREFECT + args, env, home, home / "server.log")
-    try:
-        wait_for(lambda: _healthy(env["PREFECT_API_URL"]) or proc.poll(), 180, "the server")
-        assert proc.poll() is None, _tail(home / "server.log")
-        yield env
-    finally:
-        _stop(proc)
-
-
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def deployed(tmp_path_factory):
+    """`prefect server start` on SQLite, its scheduler looking every 2 s (default 60) so a test's
+    slots are scheduled at once; the pool, both deployments from prefect.yaml, the recovery
+    automations and a worker; yields (environment, worker log)."""
+    settings = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    with prefect_e2e.server(tmp_path_factory.mktemp("prefect-server"), **settings) as api:
+        env = client_env(api)
+        workdir = tmp_path_factory.mktemp("worker")
+        with prefect_e2e.deployed(env, ["demo", "nightly"], workdir, automations=True) as log:
+            yield env, log
 
 
 @pytest.fixture(scope="module")
-def deployed(server, tmp_path_factory):
-    """The pool, both deployments from prefect.yaml, the recovery automations and a worker;
-    yields (environment, worker log)."""
-    env = server
-    _cli(["work-pool", "create", POOL, "--type", "process"], env, timeout_s=120)
-    _cli(["--no-prompt", "deploy", "-n", "demo", "-n", "nightly"], env, timeout_s=240)
-    install = [sys.executable, "-m", "cli", "automations", "install", "--within", "90"]
-    done = subprocess.run(install, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "installed ft-train-rerun/ft-train/demo" in done.stdout, done.stdout
-    workdir = tmp_path_factory.mktemp("worker")
-    log = workdir / "worker.log"
-    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}
-    worker = _start(PREFECT + ["worker", "start", "--pool", POOL], worker_env, workdir, log)
-    try:
+def deployed_on_postgres(postgres_api, tmp_path_factory):
+    """The session's `prefect server start` on PostgreSQL (tests/conftest.py), with the `demo`
+    deployment, the recovery automations and a worker; yields (environment, worker log)."""
+    env, workdir = client_env(postgres_api), tmp_path_factory.mktemp("worker-postgres")
+    with prefect_e2e.deployed(env, ["demo"], workdir, automations=True) as log:
         yield env, log
-    finally:
-        _stop(worker)
+
+
+_DEPLOYED = {"sqlite": "deployed", "postgresql": "deployed_on_postgres"}
+
+
+@pytest.fixture
+def database(request) -> str:
+    """The database of the server a test runs on, "sqlite" or "postgresql" (an indirect
+    parametrization); its module's deployment is made in the test's setup, as a fixture's is."""
+    request.getfixturevalue(_DEPLOYED[request.param])
+    return request.param
 
 
 def _api(env: dict) -> str:
@@ -108,7 +79,7 @@ def _run(env: dict, deployment: str, parameters: dict, job_variables: dict | Non
         args += ["--param", f"{key}={json.dumps(value)}"]
     for key, value in (job_variables or {}).items():
         args += ["--job-variable", f"{key}={json.dumps(value)}"]
-    out = _cli(args, env, timeout_s=120).stdout
+    out = cli(args, env, timeout_s=120).stdout
     match = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert match, out
     return match.group(1)
@@ -135,9 +106,12 @@ def _fast(storage_path: str, name: str, **loop) -> dict:
     }
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"], indirect=True)
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
-def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_path):
-    env, worker_log = deployed
+def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(database, request, tmp_path):
+    """On both of the server's databases: the crash reaches the rerun through the server's
+    events, automation and state tables. The other tests here run on SQLite only."""
+    env, worker_log = request.getfixturevalue(_DEPLOYED[database])
     runs, name = str(tmp_path / "runs"), f"crash-{uuid.uuid4().hex[:6]}"
     hold = {"rank": 0, "step": 10, "kind": "wait", "marker": str(tmp_path / "hold")}
     first = _run(env, "ft-train/demo", _fast(runs, name, faults=[hold]))
@@ -147,7 +121,7 @@ def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_
         state = RunStore(store, name).load()
         return state is not None and state.report_index == 10 and os.path.exists(hold["marker"])
 
-    wait_for(held, 240, f"the run to hold after its checkpoint at step 10\n{_tail(worker_log)}")
+    wait_for(held, 240, f"the run to hold after its checkpoint at step 10\n{tail(worker_log)}")
     lease = read_lease(store, name)
     assert lease is not None and lease.holder_id == first
     checkpoint = ft_train.TrainResult.from_path(runs, name).checkpoint.path
@@ -157,9 +131,9 @@ def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_
         later = [r for r in _flow_runs(env, name) if r["id"] != first]
         return later[0] if later and later[0]["state_type"] in ("COMPLETED", "FAILED") else None
 
-    rerun = wait_for(rerun_done, 240, f"a rerun to end\n{_tail(worker_log)}")
+    rerun = wait_for(rerun_done, 240, f"a rerun to end\n{tail(worker_log)}")
     assert _state(env, first) == "CRASHED"
-    assert rerun["state_type"] == "COMPLETED", _tail(worker_log)
+    assert rerun["state_type"] == "COMPLETED", tail(worker_log)
     assert rerun["parameters"]["run_config"]["name"] == name
     assert rerun["parameters"]["train_loop_config"]["faults"] == [hold]  # the same parameters
     result = ft_train.TrainResult.from_path(runs, name)
@@ -167,6 +141,10 @@ def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(deployed, tmp_
     assert result.metrics["resumed_from"] == 10
     assert [(f.kind, f.charged) for f in result.failures] == [("driver_crash", False)]
     assert checkpoint.rsplit("/", 1)[-1].startswith("checkpoint_000010-")
+    if database == "postgresql":  # the server stored both runs there, not in a SQLite file
+        database_url = request.getfixturevalue("postgres_database")
+        assert postgres.stored_flow_run(database_url, first) == (name, "CRASHED")
+        assert postgres.stored_flow_run(database_url, rerun["id"]) == (name, "COMPLETED")
 
 
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
@@ -190,7 +168,7 @@ def test_a_driver_killed_every_time_stops_after_the_restart_budget(deployed, tmp
         found = _flow_runs(env, name)
         return found if any(r["state_type"] == "FAILED" for r in found) else None
 
-    found = wait_for(failed, 360, f"the run to fail\n{_tail(worker_log)}")
+    found = wait_for(failed, 360, f"the run to fail\n{tail(worker_log)}")
     # two drivers killed (the first run, and the rerun the budget allowed), then the third fails
     assert [r["state_type"] for r in found] == ["CRASHED", "CRASHED", "FAILED"], found
     state = httpx.get(f"{_api(env)}/flow_runs/{found[-1]['id']}", timeout=10).json()["state"]
@@ -216,12 +194,12 @@ def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_p
     parameters = _fast(str(tmp_path / "runs"), f"broken-{uuid.uuid4().hex[:6]}")
     first = _run(env, "ft-train/demo", parameters, {"env": {"PYTHONPATH": str(broken.parent)}})
     crashed = wait_for(
-        lambda: _state(env, first) in ("CRASHED", "FAILED", "COMPLETED"), 240, _tail(worker_log)
+        lambda: _state(env, first) in ("CRASHED", "FAILED", "COMPLETED"), 240, tail(worker_log)
     )
-    assert crashed and _state(env, first) == "CRASHED", _tail(worker_log)
+    assert crashed and _state(env, first) == "CRASHED", tail(worker_log)
     flow_run = httpx.get(f"{_api(env)}/flow_runs/{first}", timeout=10).json()
     assert flow_run["run_count"] == 0  # the flow never ran
-    assert "a broken environment" in _tail(worker_log, 20000)
+    assert "a broken environment" in tail(worker_log, 20000)
     deadline = time.monotonic() + 30  # a bounded wait for nothing to happen
     while time.monotonic() < deadline:
         others = {r["id"] for r in _deployment_runs(env, demo["id"])} - before - {first}
@@ -259,7 +237,7 @@ def test_the_scheduler_starts_runs_named_after_their_slots(deployed, tmp_path):
     def both_done() -> bool:
         return all([r["state_type"] for r in _flow_runs(env, n)] == ["COMPLETED"] for n in expected)
 
-    wait_for(both_done, 300, f"both scheduled runs to complete\n{_tail(worker_log)}")
+    wait_for(both_done, 300, f"both scheduled runs to complete\n{tail(worker_log)}")
     for name in expected:
         (flow_run,) = _flow_runs(env, name)
         assert flow_run["deployment_id"] == nightly["id"]
