@@ -1,10 +1,10 @@
 """The in-memory snapshot tier (`ft_train.worker.snapshots`) and the just-in-time save.
 
-A rank's snapshot pieces are held by a peer worker's nanny. On a local cluster the nannies run
-in the driver's process, which is this test's: a test reads (and damages) what they hold through
-`snapshot_store.STORES`, as a measurement or a bit flip in their memory would. Losing a holder
-takes a cluster whose nannies are processes of their own: the chaos test's external cluster, a
-`dask scheduler` and nodes of a nanny and its worker, reached by address.
+A rank's snapshot pieces are held by its own nanny and a peer worker's. On a local cluster the
+nannies run in the driver's process, which is this test's: a test reads (and damages) what they
+hold through `snapshot_store.STORES`, as a measurement or a bit flip in their memory would.
+Losing a holder takes a cluster whose nannies are processes of their own: the chaos test's
+external cluster, a `dask scheduler` and nodes of a nanny and its worker, reached by address.
 
 Each fault test runs the loop at a few ms a step and at 50 ms a step, and checks the final
 weights bit for bit against a run without faults.
@@ -12,17 +12,20 @@ weights bit for bit against a run without faults.
 
 from __future__ import annotations
 
+import logging
 import os
-import signal
 import threading
 
 import pytest
 import torch
 
 import ft_train
+from ft_train.controller.snapshots import SnapshotTier, complete_rounds
 from ft_train.driver import snapshot_holders
+from ft_train.errors import CheckpointDamagedError
 from ft_train.worker import snapshot_store
 from ft_train.worker.journal import run_key
+from ft_train.worker.snapshots import RankSnapshots, pack
 from tests.conftest import StorageTarget
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
 from tests.test_chaos import ExternalCluster
@@ -141,11 +144,11 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
     target, name = local(tmp_path), "snap-damaged"
     damaged: list = []
 
-    def damage() -> None:  # every piece of rank 0 after the checkpoint at 20: one bit each
+    def damage() -> None:  # every copy of rank 0's pieces after the checkpoint at 20: a bit each
         wait_for(
-            lambda: 26 in [p.index for p in held_by_rank(name, target).get(0, [])],
+            lambda: [p.index for p in held_by_rank(name, target).get(0, [])].count(26) == 2,
             30,
-            "rank 0's piece of round 26",
+            "both copies of rank 0's piece of round 26",
         )
         for piece in held_by_rank(name, target)[0]:
             piece.blob = bytes([piece.blob[0] ^ 1]) + piece.blob[1:]
@@ -157,7 +160,7 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
     result = train_fast(target, name, config, max_failures=1)
     thread.join(10)
 
-    assert sorted(damaged) == [24, 26]
+    assert sorted(damaged) == [24, 24, 26, 26]
     assert result.status == "finished", result.error
     assert [(f.kind, f.rank, f.step) for f in result.failures] == [("process_death", 1, 28)]
     # the damaged rounds are passed over: storage (20), or round 28, if both its pieces (sent
@@ -172,10 +175,12 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
     target, name = local(tmp_path), "snap-bounded"
     seen: dict = {}
 
-    def measure() -> None:
-        seen["held"] = {r: [p.index for p in ps] for r, ps in held_by_rank(name, target).items()}
+    def measure() -> None:  # (holder, rank) -> the report indexes it holds
+        run = run_key(fresh(target).uri(name))
+        stores = list(snapshot_store.STORES.items())
+        seen["held"] = {(a, r): ix for a, s in stores for r, ix in s.held_pieces(run).items()}
         seen["sizes"] = [len(p.blob) for ps in held_by_rank(name, target).values() for p in ps]
-        seen["peak"] = {a: s.peak_bytes for a, s in snapshot_store.STORES.items()}
+        seen["peak"] = {a: s.peak_bytes for a, s in stores}
 
     gate, thread = at_gate(tmp_path, 0, 110, measure)
     thread.start()
@@ -184,17 +189,17 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
     thread.join(10)
 
     assert result.status == "finished", result.error
-    # 110 rounds taken; each rank's holder keeps its newest two
+    # 110 rounds taken; each of a rank's two holders keeps its newest two
     assert all(len(indexes) <= 2 and max(indexes) >= 109 for indexes in seen["held"].values())
-    assert set(seen["held"]) == {0, 1}
-    biggest = max(seen["sizes"])
-    assert all(peak <= 2 * biggest for peak in seen["peak"].values()), seen
+    assert sorted(r for _, r in seen["held"]) == [0, 0, 1, 1], seen
+    biggest = max(seen["sizes"])  # a holder holds two ranks' pieces: its own rank's, a peer's
+    assert all(peak <= 2 * 2 * biggest for peak in seen["peak"].values()), seen
 
 
 @pytest.fixture
 def nodes(tmp_path, monkeypatch):
     """Three nodes, each a nanny and its worker in a process group of their own: two ranks and a
-    spare. Rank 1's holder is rank 0's nanny, and rank 0's is rank 1's (all on one host)."""
+    spare. Each rank's pieces are held by its own nanny and the other rank's (all on one host)."""
     monkeypatch.setenv("DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES", "0")  # as ft-train asks
     cluster = ExternalCluster(tmp_path)
     try:
@@ -206,41 +211,87 @@ def nodes(tmp_path, monkeypatch):
         cluster.close()
 
 
+def copies(held: list[dict], index: int) -> set[tuple[int, str]]:
+    """(rank, holder) of each whole copy of a piece of snapshot round `index`."""
+    return {
+        (p["rank"], p["holder"])
+        for p in held
+        if (p["index"], p["kind"]) == (index, "snapshot") and p["ok"]
+    }
+
+
 @pytest.mark.parametrize("pace", PACES)
-def test_a_rank_and_the_holder_of_its_snapshots_killed_resume_from_storage(
+def test_a_rank_whose_node_is_lost_resumes_from_the_copies_on_the_survivors_nanny(
+    tmp_path, pace, fault_free, nodes, caplog
+):
+    # Rank 1 holds right after report 27 (the checkpoint on storage is at 20) until round 26 is
+    # held in full: each rank's piece on its own nanny and on the other rank's. Then rank 1's
+    # node (nanny and worker) is SIGKILLed, and one copy of every piece with it. Rank 0, in step
+    # 28's all-reduce, loses its peer and saves just in time; its own nanny holds that piece.
+    # The restart resumes from it, newer than any snapshot round, and asks the lost nanny no
+    # more (each question would wait knobs.ANSWER_TIMEOUT_S).
+    caplog.set_level(logging.INFO, logger="ft_train")
+    target, name = local(tmp_path), f"snap-node-{pace}"
+    run = run_key(fresh(target).uri(name))
+    seen: dict = {}
+
+    def lose_rank_1s_node() -> None:
+        attempt_id = load_state(target, name).attempts[0].attempt_id
+        rank_1 = nodes.running(f"ft-train-rank-1-{attempt_id}")
+        seen["nanny"] = nodes.client.scheduler_info(n_workers=-1)["workers"][rank_1]["nanny"]
+        held = lambda: snapshot_holders.held(nodes.client, run)  # noqa: E731
+        wait_for(lambda: len(copies(held(), 26)) == 4, 30, "round 26 held in full")
+        nodes.take_away(rank_1)  # its nanny, then the rest of its process group; a node joins
+        seen["after"] = snapshot_holders.held(nodes.client, run, dead={seen["nanny"]})
+
+    gate, thread = at_gate(tmp_path, 1, 27, lose_rank_1s_node)
+    thread.start()
+    config = {"snapshot": True, "jit": True, "step_s": pace, "faults": gate}
+    result = train_fast(
+        target, name, config, max_failures=1, cluster=ft_train.ClusterConfig(address=nodes.address)
+    )
+    thread.join(10)
+
+    assert {rank for rank, _ in copies(seen["after"], 26)} == {0, 1}, seen  # on rank 0's nanny
+    assert result.status == "finished", result.error
+    assert [(f.kind, f.rank, f.step) for f in result.failures] == [("node_loss", 1, 27)]
+    restart = load_state(target, name).attempts[1]
+    assert restart.restored_from is not None and restart.restored_from.startswith(
+        "checkpoint_000020-"
+    ), restart
+    assert restart.start_report_index == 27, restart
+    assert restart.restored_snapshot.startswith("jit 27 "), restart
+    asked = [r.getMessage() for r in caplog.records if "is not asked again" in r.getMessage()]
+    assert not [m for m in asked if seen["nanny"] in m], asked
+    assert_bit_identical(weights(result), fault_free)
+
+
+@pytest.mark.parametrize("pace", PACES)
+def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     tmp_path, pace, fault_free, nodes
 ):
-    # Rank 1 holds right after report 27: the checkpoint on storage is at 20, and the round of
-    # 24 is held whole (report 26 returned on both ranks once their pieces of 24 were held).
-    # Then the node of rank 1's holder (nanny and worker: rank 0's) is SIGKILLed, and rank 1's
-    # worker process: rank 0's pieces are still held, rank 1's are gone. No round after 20 is
+    # Rank 1 holds right after report 27: the checkpoint on storage is at 20, and round 26 is
+    # held in full. Then the node of every holder of rank 1's pieces is SIGKILLed (nanny and
+    # worker): its own, and once the scheduler has seen it go, rank 0's. No round after 20 is
     # whole: the restart must take the checkpoint at 20, not a round it cannot fetch.
     target, name = local(tmp_path), f"snap-holder-{pace}"
     run = run_key(fresh(target).uri(name))
     seen: dict = {}
 
-    def newest_whole_round() -> int | None:
-        held = snapshot_holders.held(nodes.client, run)
-        by_rank: dict[int, set] = {}
-        for p in held:
-            by_rank.setdefault(p["rank"], set()).add(p["index"])
-        whole = by_rank.get(0, set()) & by_rank.get(1, set())
-        seen["held"] = held
-        return max((i for i in whole if i > EVERY), default=None)
-
-    def kill_rank_1_and_its_holder() -> None:
+    def lose_every_holder_of_rank_1s_pieces() -> None:
+        held = lambda: snapshot_holders.held(nodes.client, run)  # noqa: E731
+        wait_for(lambda: len(copies(held(), 26)) == 4, 30, "round 26 held in full")
+        seen["holders"] = {holder for rank, holder in copies(held(), 26) if rank == 1}
         attempt_id = load_state(target, name).attempts[0].attempt_id
         rank_1 = nodes.running(f"ft-train-rank-1-{attempt_id}")
-        pid = nodes.client.run(os.getpid, workers=[rank_1])[rank_1]
-        seen["round"] = wait_for(newest_whole_round, 30, "a whole round after the checkpoint")
-        (holder,) = {p["holder"] for p in seen["held"] if p["rank"] == 1}
         workers = nodes.client.scheduler_info(n_workers=-1)["workers"]
-        (node,) = [a for a, w in workers.items() if w.get("nanny") == holder]
-        nodes.take_away(node)  # its nanny, then the rest of its process group; a new node joins
-        os.kill(pid, signal.SIGKILL)
+        holding = [a for a, w in workers.items() if w.get("nanny") in seen["holders"]]
+        for node in sorted(holding, key=lambda a: a != rank_1):  # rank 1's first
+            nodes.take_away(node)  # its nanny, then the rest of its process group; a node joins
+            wait_for(lambda: node not in nodes.workers(), 30, f"the scheduler to drop {node}")
         seen["after"] = snapshot_holders.held(nodes.client, run)
 
-    gate, thread = at_gate(tmp_path, 1, 27, kill_rank_1_and_its_holder)
+    gate, thread = at_gate(tmp_path, 1, 27, lose_every_holder_of_rank_1s_pieces)
     thread.start()
     config = {"snapshot": True, "step_s": pace, "faults": gate}
     result = train_fast(
@@ -248,11 +299,11 @@ def test_a_rank_and_the_holder_of_its_snapshots_killed_resume_from_storage(
     )
     thread.join(10)
 
-    assert seen["round"] in (24, 26), seen
-    assert {p["rank"] for p in seen["after"]} == {0}, seen  # rank 0's pieces outlived the kills
+    assert len(seen["holders"]) == 2, seen  # its own nanny and rank 0's
+    assert not [p for p in seen["after"] if p["rank"] == 1], seen
     assert result.status == "finished", result.error
-    # one failure of the group: rank 1's death or rank 0's node, whichever the driver heard first
-    assert [(f.step, f.charged) for f in result.failures] == [(27, True)], result.failures
+    # one failure of the group: the node the driver heard of first
+    assert [(f.kind, f.rank, f.step) for f in result.failures] == [("node_loss", 1, 27)]
     restart = load_state(target, name).attempts[1]
     assert restart.restored_from is not None and restart.restored_from.startswith(
         "checkpoint_000020-"
@@ -260,3 +311,84 @@ def test_a_rank_and_the_holder_of_its_snapshots_killed_resume_from_storage(
     assert restart.restored_snapshot is None, restart
     assert restart.start_report_index == EVERY, restart
     assert_bit_identical(weights(result), fault_free)
+
+
+def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot", ok=True) -> dict:
+    """A holder's answer for one copy of a piece (`SnapshotStore.describe`)."""
+    return {
+        "holder": holder,
+        "attempt_id": "a0",
+        "rank": rank,
+        "index": index,
+        "kind": kind,
+        "world_size": 2,
+        "size": 10,
+        "sha256": f"sha-{rank}-{index}",
+        "ok": ok,
+    }
+
+
+def test_a_round_is_complete_while_one_copy_of_each_piece_is_whole():
+    held = [
+        # round 26: rank 0's copy on B damaged, the one on A whole
+        *[held_copy(0, "A"), held_copy(0, "B", ok=False), held_copy(1, "A"), held_copy(1, "B")],
+        # round 28: both copies of rank 0's piece damaged
+        *[held_copy(0, h, 28, ok=False) for h in "AB"],
+        *[held_copy(1, h, 28) for h in "AB"],
+        # round 30: rank 1's piece lost with both its holders
+        *[held_copy(0, h, 30) for h in "AB"],
+    ]
+    (rnd,) = complete_rounds(held)
+    assert (rnd.index, rnd.kind) == (26, "snapshot")
+    # the restoring ranks are given the whole copies only
+    assert [(p["rank"], p["holder"]) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
+    assert SnapshotTier(lineage=["a0"]).choose(held, newer_than=20) == rnd
+    assert SnapshotTier(lineage=["a0"]).choose(held, newer_than=26) is None
+
+    # a just-in-time round: a survivor's piece with one whole copy counts, with none it does not
+    jit = [held_copy(0, "A", 27, "jit", ok=False), held_copy(0, "B", 27, "jit")]
+    assert [(r.index, r.kind, len(r.pieces)) for r in complete_rounds(jit)] == [(27, "jit", 1)]
+    jit[1]["ok"] = False
+    assert complete_rounds(jit) == []
+
+
+def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
+    # Holders on a real (in-process) Dask cluster. Rank 0's piece: a damaged copy listed first,
+    # then a whole one. Rank 1's: a copy its holder no longer has, then a whole one.
+    from distributed import Client, LocalCluster
+
+    run = "restore-" + tmp_path.name
+
+    def writes(text: str):
+        return lambda d: open(os.path.join(d, f"{text}.txt"), "w").write(text)
+
+    with (
+        LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(snapshot_store.SnapshotWorkerHolder())
+        a, b = sorted(client.scheduler_info()["workers"])
+        blobs, pieces = [pack(writes("zero")), pack(writes("one"))], []
+        for rank, blob in enumerate(blobs):
+            piece = held_copy(rank, b) | {"sha256": snapshot_store.digest(blob)}
+            assert snapshot_store.STORES[b].put(run, piece, blob) == {"status": "OK"}
+            pieces += [piece | {"holder": a}, piece]
+        assert snapshot_store.STORES[a].put(run, pieces[0], blobs[0]) == {"status": "OK"}
+        (damaged,) = snapshot_store.STORES[a].pieces[(run, 0)]
+        damaged.blob = bytes([damaged.blob[0] ^ 1]) + damaged.blob[1:]
+
+        def restore(pieces: list[dict]) -> dict[str, str]:  # on a worker, as a rank would
+            snapshots = RankSnapshots(run, "a1", 0, 2, [], 2)
+            round_26 = {"attempt_id": "a0", "index": 26, "pieces": pieces}
+            try:
+                with snapshots.restored(round_26).as_directory() as d:
+                    return {f: open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))}
+            finally:
+                snapshots.close()
+
+        assert client.submit(restore, pieces, pure=False).result() == {
+            "one.txt": "one",
+            "zero.txt": "zero",
+        }
+        with pytest.raises(CheckpointDamagedError, match="no copy of rank 1's piece"):
+            client.submit(restore, pieces[:3], pure=False).result()

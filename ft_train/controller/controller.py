@@ -367,8 +367,9 @@ class Controller:
         )
         return WorkerGroupError(
             f"rank {failure.rank} failed ({failure.kind}) at step {failure.step}: {failure.error}. "
-            f"Restarting from {self.state.latest or 'scratch'} (failure {budget} allowed by "
-            "max_failures)",
+            f"Restarting from the newest in-memory snapshot still held, if newer than step "
+            f"{self.state.report_index}, else from {self.state.latest or 'scratch'} (failure "
+            f"{budget} allowed by max_failures)",
             failure.model_dump(mode="json"),
         )
 

@@ -66,6 +66,7 @@ class WorkerGroup:
         self.futures: list = []
         self.stopped = False
         self.placed: set[str] = set()  # the snapshot holders given to ranks (the cluster's set)
+        self.dead_holders: set[str] = set()  # snapshot holders gone or silent (the cluster's set)
 
     def start(
         self,
@@ -77,8 +78,9 @@ class WorkerGroup:
     ) -> None:
         addrs, ports = await_workers(self.client, plan, exclude)
         info = self.client.scheduler_info(n_workers=-1)["workers"]
-        holders = snapshot_holders.place_holders(addrs, info)
-        self.placed.update(h for h in holders if h)
+        placed = snapshot_holders.place_holders(addrs, info)
+        holders = [tuple(h for h in hs if h not in self.dead_holders) for hs in placed]
+        self.placed.update(h for hs in holders for h in hs)
         self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
         self.hosts = {a: info[a]["host"] for a in addrs}
@@ -90,7 +92,7 @@ class WorkerGroup:
         master = (self.hosts[addrs[0]], ports[addrs[0]])  # rank 0's worker hosts the rendezvous
         for rank, addr in enumerate(addrs):
             spec = self._spec(plan, rank, master, checkpoint_dir, start_report_index)
-            spec.snapshot, spec.snapshot_holder = snapshot, holders[rank]
+            spec.snapshot, spec.snapshot_holders = snapshot, holders[rank]
             gpu = plan.use_gpu and info[addr].get("resources", {}).get("GPU")
             fut = self.client.submit(
                 run_rank,
@@ -165,7 +167,8 @@ class WorkerGroup:
         self.events.put(PreemptNotice(self.attempt, msg["worker"], msg["deadline"]))
 
     def lost_kind(self, address: str) -> str:
-        """A removed worker whose nanny still answers lost its process; otherwise its node."""
+        """A removed worker whose nanny still answers lost its process; otherwise its node, and
+        the snapshots its nanny (or, without one, the worker) held: it is not asked again."""
         nanny = self.nannies.get(address)
         if nanny and "://" in nanny:
             host, port = nanny.split("://", 1)[1].rsplit(":", 1)
@@ -174,6 +177,7 @@ class WorkerGroup:
                 return "process_death"
             except OSError:
                 pass
+        self.dead_holders.add(nanny or address)
         return "node_loss"
 
     def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
@@ -314,10 +318,11 @@ class DaskCluster:
         # Holders given to ranks: a holder whose worker the scheduler dropped (its nanny is
         # restarting it) is asked too, though not listed until the new worker joins.
         self.placed: set[str] = set()
+        self.dead_holders: set[str] = set()  # not asked again (`snapshot_holders`)
 
     def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
         group = WorkerGroup(self.client, attempt, events, run_uri)
-        group.placed = self.placed
+        group.placed, group.dead_holders = self.placed, self.dead_holders
         return group
 
     def alive(self) -> set[str]:
@@ -340,10 +345,10 @@ class DaskCluster:
         self._register(SnapshotWorkerHolder(), 0.0, logger.warning)
 
     def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
-        return snapshot_holders.held(self.client, run_key(run_uri), self.placed)
+        return snapshot_holders.held(self.client, run_key(run_uri), self.placed, self.dead_holders)
 
     def drop_snapshots(self, run_uri: str) -> None:
-        snapshot_holders.drop(self.client, run_key(run_uri), self.placed)
+        snapshot_holders.drop(self.client, run_key(run_uri), self.placed, self.dead_holders)
 
     def _register(self, plugin, wait_s: float, failed) -> None:
         """Register a worker plugin, waiting up to `wait_s` for it. The scheduler keeps it for

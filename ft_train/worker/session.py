@@ -84,7 +84,7 @@ class RankSpec:
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     extra: dict[str, Any] = field(default_factory=dict)
     snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
-    snapshot_holder: str | None = None  # who holds this rank's snapshots (`snapshot_store`)
+    snapshot_holders: tuple[str, ...] = ()  # who hold this rank's snapshots (`snapshot_store`)
     snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
 
 

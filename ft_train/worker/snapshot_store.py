@@ -1,20 +1,22 @@
-"""The holder's side of the in-memory snapshot tier: the pieces a peer's ranks sent, in memory.
+"""The holder's side of the in-memory snapshot tier: the pieces ranks sent, in memory.
 
-A rank's snapshot piece (its saved directory, packed as one tar blob) is held by a peer
-worker's *nanny*: a different process from the rank, which outlives its worker as the journals'
-reader does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses
-no piece, and neither does a peer worker killed while the group stops. A worker without a nanny
-holds them itself. The `SnapshotHolder` plugins add four handlers to the holder's Dask server,
-reached over Dask's own comms (`Server.rpc`):
+A rank's snapshot piece (its saved directory, packed as one tar blob) is held by two *nannies*
+where the cluster has them: its own worker's and a peer worker's (`driver.snapshot_holders`).
+A nanny is a different process from the rank, which outlives its worker as the journals' reader
+does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses no copy,
+and the loss of the rank's node loses one copy of two. A worker without a nanny holds pieces
+itself. The `SnapshotHolder` plugins add four handlers to the holder's Dask server, reached
+over Dask's own comms (`Server.rpc`):
 
     ft_train_snapshot_put       store one piece, after checking its sha256
     ft_train_snapshot_describe  what is held for a run, each piece's checksum checked again
     ft_train_snapshot_get       one piece's bytes
     ft_train_snapshot_drop      forget a run
 
-Bounded: at most `knobs.SNAPSHOTS_PER_RANK` pieces per (run, rank), the oldest received dropped
-first, whatever attempt sent them (a round is identified by its attempt id and report index,
-so pieces of two attempts are never taken for one round: `controller.snapshots`).
+Bounded: a holder keeps at most `knobs.SNAPSHOTS_PER_RANK` pieces per (run, rank), the oldest
+received dropped first, whatever attempt sent them (a round is identified by its attempt id and
+report index, so pieces of two attempts are never taken for one round: `controller.snapshots`).
+A nanny holds its own rank's pieces and a peer rank's: twice one rank's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
-"""The rank's side of the in-memory snapshot tier: take a snapshot, send it to its holder in the
+"""The rank's side of the in-memory snapshot tier: take a snapshot, send it to its holders in the
 background, save just in time when a peer fails, and restore a round.
 
 `report(..., snapshot=save)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
 calls `save(directory)`, packs what it wrote into one tar blob (its *piece* of the round) and
-returns; a thread sends the piece, with its sha256, to the rank's holder (a peer worker's
-nanny, `snapshot_store`) over Dask's comms. One piece is in flight at a time: the next snapshot
-waits for the previous send, so once report() returns at a snapshot round, the rank's piece of
-the round before is held (or its send failed, which is logged: snapshots are a tier above the
-checkpoints on storage, never in place of them).
+returns; a thread sends the piece, with its sha256, to the rank's holders (its own nanny and a
+peer worker's, `driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at
+a time: the next snapshot waits for the previous send, so once report() returns at a snapshot
+round, the rank's piece of the round before is held (or a send failed, which is logged:
+snapshots are a tier above the checkpoints on storage, never in place of them). A holder that
+failed a send is not sent to again by this rank: it is gone or silent, and each try would hold
+the next snapshot up to knobs.SNAPSHOT_SEND_TIMEOUT_S.
 
 `enable_jit_checkpoint(save)`: when this rank fails because a peer went away (its collective
-saw the closed connection), it calls `save(directory)` and sends the piece, waited for, before
-it leaves; the piece stands for the state at its last report. The rank that failed first does
-nothing extra. A restart restores from such a piece when nothing newer exists.
+saw the closed connection), it calls `save(directory)` and sends the piece, waited for until a
+holder has it, before it leaves; the piece stands for the state at its last report. The rank
+that failed first does nothing extra. A restart restores from such a piece when nothing newer
+exists.
 
-A restore fetches every piece of the round the driver chose, checks each against its sha256
-and unpacks them into one local directory (the lowest rank's file wins where two ranks wrote
-the same name): what `get_checkpoint()` returns, as from storage.
+A restore fetches every rank's piece of the round the driver chose, from the first of its
+copies that is still held and matches its sha256, and unpacks them into one local directory
+(the lowest rank's file wins where two ranks wrote the same name): what `get_checkpoint()`
+returns, as from storage.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import os
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 from .. import knobs
@@ -70,13 +74,13 @@ def pack(save: Saver) -> bytes:
 
 
 class RankSnapshots:
-    """One rank's snapshots. `holder`: its holder's address (None: the tier is off)."""
+    """One rank's snapshots. `holders`: its holders' addresses (none: the tier is off)."""
 
     def __init__(
-        self, run: str, attempt_id: str, rank: int, world: int, holder: str | None, every: int
+        self, run: str, attempt_id: str, rank: int, world: int, holders: Sequence[str], every: int
     ):
         self.run, self.attempt_id, self.rank, self.world = run, attempt_id, rank, world
-        self.holder, self.every = holder, every
+        self.holders, self.every = list(holders), every
         self.jit_saver: Saver | None = None
         self.sent = self.failed = 0
         self._pending: Future | None = None
@@ -84,17 +88,17 @@ class RankSnapshots:
         self._restored: str | None = None
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
-            self.holder = None  # not on a Dask worker: no tier
+            self.holders = []  # not on a Dask worker: no tier
 
     @classmethod
     def of(cls, spec: RankSpec) -> RankSnapshots:
         run = run_key(spec.storage.uri(spec.name))
         every = spec.snapshot_every or 0
-        return cls(run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holder, every)
+        return cls(run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holders, every)
 
     def offer(self, save: Saver | None, index: int) -> None:
         """report() `index` with `snapshot=save`: take a snapshot if one is due."""
-        if save is None or self.holder is None or not self.every or index % self.every:
+        if save is None or not self.holders or not self.every or index % self.every:
             return
         blob = pack(save)
         self.wait()  # one piece in flight: the previous one is held (or failed) before the next
@@ -112,8 +116,8 @@ class RankSnapshots:
 
     def jit(self, index: int) -> None:
         """This rank failed because a peer went away: save just in time, if the function opted
-        in, and wait (bounded) until the holder has the piece."""
-        if self.jit_saver is None or self.holder is None:
+        in, and wait (bounded) until a holder has the piece."""
+        if self.jit_saver is None or not self.holders:
             return
         try:
             blob = pack(self.jit_saver)
@@ -121,11 +125,11 @@ class RankSnapshots:
             logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
             return
         self.wait(knobs.FAIL_FLUSH_S)
-        self._send(blob, index, "jit")
+        self._send(blob, index, "jit", until_held=True)
 
-    def _send(self, blob: bytes, index: int, kind: str) -> None:
-        from distributed.protocol import to_serialize
-
+    def _send(self, blob: bytes, index: int, kind: str, until_held: bool = False) -> None:
+        """The piece to every holder at once; returns once each has answered, or with
+        `until_held` once one holds it (the other sends go on)."""
         piece = {
             "attempt_id": self.attempt_id,
             "rank": self.rank,
@@ -134,58 +138,73 @@ class RankSnapshots:
             "world_size": self.world,
             "sha256": digest(blob),
         }
+        loop = self._worker.loop.asyncio_loop  # tornado's AsyncIOLoop
+        sends = [
+            asyncio.run_coroutine_threadsafe(self._put(h, piece, blob), loop) for h in self.holders
+        ]
+        for done in as_completed(sends):  # each bounded by knobs.SNAPSHOT_SEND_TIMEOUT_S
+            if done.result() and until_held:
+                return
+
+    async def _put(self, holder: str, piece: dict[str, Any], blob: bytes) -> bool:
+        """One copy of the piece to `holder` (on the worker's event loop): True once held."""
+        from distributed.protocol import to_serialize
+
         try:
-            answer = _call(
-                self._worker, self.holder, "put", run=self.run, piece=piece, blob=to_serialize(blob)
+            answer = await _rpc(
+                self._worker, holder, "put", run=self.run, piece=piece, blob=to_serialize(blob)
             )
-            ok = isinstance(answer, dict) and answer.get("status") == "OK"
-        except Exception as e:  # the holder is gone or silent: this round is not held
-            answer, ok = repr(e), False
-        if ok:
+        except Exception as e:  # gone or silent: this copy is not held, nor sent to it again
+            answer = f"{e!r}; not sent to again"
+            self.holders = [h for h in self.holders if h != holder]
+        if isinstance(answer, dict) and answer.get("status") == "OK":
             self.sent += 1
-        else:
-            self.failed += 1
-            logger.warning(
-                "ft-train: rank %d: %s %d not held by %s: %s",
-                *(self.rank, kind, index, self.holder, answer),
-            )
+            return True
+        self.failed += 1
+        logger.warning(
+            "ft-train: rank %d: %s %d not held by %s: %s",
+            *(self.rank, piece["kind"], piece["index"], holder, answer),
+        )
+        return False
 
     def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
         """The round `snapshot` (the driver's choice) in a local directory, fetched once."""
         if self._restored is None:
+            copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
+            for piece in snapshot["pieces"]:
+                copies.setdefault(piece["rank"], []).append(piece)
             out = tempfile.mkdtemp(prefix="ft-train-restored-")
             try:
-                for piece in sorted(snapshot["pieces"], key=lambda p: -p["rank"]):
-                    _unpack(self._fetch(snapshot, piece), out)
+                for rank in sorted(copies, reverse=True):
+                    _unpack(self._fetch(snapshot, copies[rank]), out)
             except BaseException:
                 shutil.rmtree(out, ignore_errors=True)
                 raise
             self._restored = out
         return Checkpoint.from_directory(self._restored)
 
-    def _fetch(self, snapshot: dict[str, Any], piece: dict[str, Any]) -> bytes:
+    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> bytes:
+        """One rank's piece: the first of its copies still held and matching its sha256."""
+        why = []
+        for piece in copies:
+            key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
+            try:
+                answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
+            except Exception as e:  # gone since the driver chose: the next copy, if any
+                answer = {"status": repr(e)}
+            status = answer.get("status") if isinstance(answer, dict) else repr(answer)
+            if status != "OK":
+                why.append(f"{piece['holder']}: {status}")
+            elif digest(blob := bytes(answer["blob"])) != piece["sha256"]:
+                why.append(f"{piece['holder']}: the piece does not match its sha256")
+            else:
+                return blob
         where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
-        try:
-            answer = _call(
-                self._worker,
-                piece["holder"],
-                "get",
-                run=self.run,
-                **{k: piece[k] for k in ("attempt_id", "rank", "index", "kind")},
-            )
-        except Exception as e:  # gone since the driver chose: the run falls back
-            answer = {"status": repr(e)}
-        if not isinstance(answer, dict) or answer.get("status") != "OK":
-            why = answer.get("status") if isinstance(answer, dict) else answer
-            raise CheckpointDamagedError(
-                f"{where}: rank {piece['rank']}'s piece is no longer held ({why})", where
-            )
-        blob = bytes(answer["blob"])
-        if digest(blob) != piece["sha256"]:
-            raise CheckpointDamagedError(
-                f"{where}: rank {piece['rank']}'s piece does not match its sha256", where
-            )
-        return blob
+        raise CheckpointDamagedError(
+            f"{where}: no copy of rank {copies[0]['rank']}'s piece is held whole "
+            f"({'; '.join(why)})",
+            where,
+        )
 
     def close(self) -> None:
         if self._executor is not None:
@@ -208,12 +227,13 @@ def _this_worker() -> Any:
         return None
 
 
-def _call(worker: Any, address: str | None, op: str, **kwargs: Any) -> Any:
-    """`op` on a holder, over the rank's worker's Dask connection pool, from any thread."""
+async def _rpc(worker: Any, address: str, op: str, **kwargs: Any) -> Any:
+    """`op` on a holder, over the rank's worker's Dask connection pool, on its event loop."""
+    handler = getattr(worker.rpc(address), f"ft_train_snapshot_{op}")
+    return await asyncio.wait_for(handler(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
 
-    async def call() -> Any:
-        handler = getattr(worker.rpc(address), f"ft_train_snapshot_{op}")
-        return await asyncio.wait_for(handler(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
 
-    loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]  # tornado's AsyncIOLoop
-    return asyncio.run_coroutine_threadsafe(call(), loop).result()
+def _call(worker: Any, address: str, op: str, **kwargs: Any) -> Any:
+    """`_rpc` from any other thread."""
+    loop = worker.loop.asyncio_loop  # tornado's AsyncIOLoop
+    return asyncio.run_coroutine_threadsafe(_rpc(worker, address, op, **kwargs), loop).result()
