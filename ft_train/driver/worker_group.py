@@ -217,6 +217,7 @@ class WorkerGroup:
     def release(self) -> None:
         """Forget the group after a clean finish."""
         self._unsubscribe()
+        self._forget_reports()
         self.futures = []
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
@@ -248,6 +249,7 @@ class WorkerGroup:
             self.kill(stuck)
         self.client.cancel(self.futures, force=True)
         self.futures = []
+        self._forget_reports()
         return set(stuck) | killed | (set(self.addresses) - alive)
 
     def give_notice(self, address: str, deadline: float) -> None:
@@ -291,6 +293,26 @@ class WorkerGroup:
                 self.client.unsubscribe_topic(topic)
             except Exception:  # the client may be closing; nothing is left to unsubscribe from
                 pass
+
+    def _forget_reports(self) -> None:
+        """The scheduler keeps each topic's last 1 000 events (for Client.get_events, which
+        nothing here reads): with a topic per attempt, every attempt's reports stayed in its
+        memory for good (the driver's, on a local cluster: bench/README.md, Soak). Once the
+        ranks are stopped, so that what they sent last goes too."""
+        try:
+            self.client.run_on_scheduler(
+                _forget_events, self.topic, callback_timeout=knobs.ANSWER_TIMEOUT_S
+            )
+        except Exception:  # closing, or a scheduler that runs no functions: only memory is kept
+            pass
+
+
+def _forget_events(topic: str, dask_scheduler=None) -> None:
+    """On the scheduler: drop the events it keeps of `topic` (a private attribute: a version of
+    distributed without it keeps them, as before)."""
+    broker = getattr(dask_scheduler, "_broker", None)
+    if broker is not None:
+        broker.truncate(topic)
 
 
 def _ended(attempt: int, rank: int, future) -> RankEnded:
