@@ -16,6 +16,7 @@ and waiting for the collective timeout would take up to 30 minutes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import queue
@@ -89,6 +90,7 @@ class WorkerGroup:
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self.client.subscribe_topic("scheduler", self._on_scheduler_event)  # worker-ttl's word
         self.client.subscribe_topic(preemption.TOPIC, self._on_preemption_notice)
+        self._keep_no_reports()
         master = (self.hosts[addrs[0]], ports[addrs[0]])  # rank 0's worker hosts the rendezvous
         for rank, addr in enumerate(addrs):
             spec = self._spec(plan, rank, master, checkpoint_dir, start_report_index)
@@ -105,6 +107,18 @@ class WorkerGroup:
             )
             fut.add_done_callback(lambda f, r=rank: self.events.put(_ended(self.attempt, r, f)))
             self.futures.append(fut)
+
+    def _keep_no_reports(self) -> None:
+        """The scheduler keeps each topic's last 1 000 events for Client.get_events, which nothing
+        here reads. Here they are copies of the ranks' reports (an event carries up to half a
+        second of them): tens of MB in the driver's process on a local cluster, and, with a
+        topic per attempt, every attempt's for good (bench/README.md, Soak)."""
+        try:
+            self.client.run_on_scheduler(
+                _keep_no_events, self.topic, callback_timeout=knobs.ANSWER_TIMEOUT_S
+            )
+        except Exception:  # a scheduler that runs no functions: only memory is kept
+            pass
 
     def _spec(
         self,
@@ -295,6 +309,14 @@ class WorkerGroup:
                 self.client.unsubscribe_topic(topic)
             except Exception:  # the client may be closing; nothing is left to unsubscribe from
                 pass
+
+
+def _keep_no_events(topic: str, dask_scheduler=None) -> None:
+    """On the scheduler: keep none of `topic`'s events once they are sent to the subscribers (a
+    private attribute: a version of distributed without it keeps them, as before)."""
+    broker = getattr(dask_scheduler, "_broker", None)
+    if broker is not None:
+        broker._topics[topic].events = collections.deque(maxlen=0)
 
 
 def _ended(attempt: int, rank: int, future) -> RankEnded:
