@@ -65,12 +65,12 @@ def train_fn(
         client = provision_workers(cluster, scaling_config, stack)
         controller = make_controller(plan, client, warm=cluster.preload, callbacks=[events, view])
         try:
-            segment, kind = 0, "checkpoint"
-            while kind != "finished":
+            segment, finished = 0, False
+            while not finished:
                 segment += 1
                 retries = controller.retries_left()
                 step = train_segment.with_options(retries=retries, retry_delay_seconds=0)
-                kind = step(controller, segment).kind
+                finished = step(controller, segment)
         except BaseException as e:
             why = interrupt_or(e)
             controller.abort(why)  # stop the ranks; record why (Ctrl+C is not charged)

@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 import ft_train
-from ft_train.controller import Controller, Segment
+from ft_train.controller import Controller
 from ft_train.driver.cluster import dask_client
 from ft_train.driver.lease import LeaseDoc
 from ft_train.driver.prepare import RunPlan, make_controller
@@ -107,12 +107,15 @@ def _retry_group_failures(task, task_run, state) -> bool:
     cache_policy=NO_CACHE,
     retry_condition_fn=_retry_group_failures,
 )
-def train_segment(controller: Controller, segment: int) -> Segment:
+def train_segment(controller: Controller, segment: int) -> bool:
     """Train until the next committed checkpoint; raise on a group failure (a retry restarts the
-    group from the latest committed checkpoint)."""
+    group from the latest committed checkpoint). True once the run finished.
+
+    Returns a bool, not the `Segment`: Prefect keeps each task run's result in the flow run until
+    it ends (a state per result field), so a small result keeps a long run's driver flat."""
     log = get_run_logger()
     controller.log, controller.warn = log.info, log.warning
-    return controller.run_segment()
+    return controller.run_segment().kind == "finished"
 
 
 @task(name="finalize", cache_policy=NO_CACHE, persist_result=False)

@@ -1,10 +1,10 @@
 """Crash leftovers go at the next driver start, and nothing the run state references ever goes.
 
 A checkpoint directory that no run state references is what a crash leaves: ranks that uploaded
-a round their driver never committed, or a manifest written just before the driver died. Only a
-driver that finishes training sweeps its own (`Controller._finish`); a killed or failed driver
-cannot, so `prepare_run` sweeps them once it holds the run's lease. Run against a local path and
-the loopback S3 endpoint (the `storage` fixture).
+a round their driver never committed, or a manifest written just before the driver died. A driver
+sweeps its own as it ends (`Controller._finish`, `RunPlan.release`); a killed one cannot, so the
+next `prepare_run` sweeps them once it holds the run's lease. Run against a local path and the
+loopback S3 endpoint (the `storage` fixture).
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ def test_next_driver_start_removes_a_killed_drivers_uncommitted_checkpoints(stor
 
 
 def test_driver_start_never_removes_a_sealed_checkpoint(storage, tmp_path):
-    """With num_to_keep=None old entries move to the sealed index, which a driver's start does
-    not read (invariant 5): their directories are not in the head and must still stay. An
-    orphan newer than the head's oldest entry goes at the start; one older than it (a sealed
-    checkpoint's peer, which only the index can tell apart) goes with the full sweep."""
+    """With num_to_keep=None old entries move to the sealed index, which a driver's start and
+    end do not read (invariant 5): their directories are not in the head and must still stay.
+    An orphan newer than the head's oldest entry goes at the driver's end (or, after a killed
+    driver, at the next start); one older than it (a sealed checkpoint's peer, which only the
+    index can tell apart) goes with the full sweep of a driver that finishes."""
     name, cfg = "sealed", CheckpointConfig()
     plan = start_driver(storage, name, cfg, [])
     manager = CheckpointManager(plan.storage, plan.store, cfg, index_chunk=2)
@@ -149,14 +150,15 @@ def test_driver_start_never_removes_a_sealed_checkpoint(storage, tmp_path):
     new_orphan = report_round(
         plan.storage, name, 6, rank_files("y")[:1], {}, 1, ATTEMPT_1, tmp_path
     )[0].dir_name
-    plan.release()  # the driver failed: it ended without sweeping
+    plan.release()  # the driver failed: it sweeps what the head can tell on its way out
     committed = [checkpoint_dir_name(i, 0, ATTEMPT_0) for i in range(1, 6)]
     assert load_state(storage, name).sealed_chunks == 2
+    names = stored_names(storage, name)
+    assert set(committed) | {old_orphan} <= names and new_orphan not in names
 
     plan = start_driver(storage, name, cfg, [])
     try:
-        names = stored_names(storage, name)
-        assert set(committed) | {old_orphan} <= names and new_orphan not in names
+        assert stored_names(storage, name) == names
         for i, d in enumerate(committed, 1):
             assert restore(storage, name, d, tmp_path) == merged(rank_files(f"c{i}"))
         # the sweep of a driver that finishes reads the sealed index, and takes the older one

@@ -619,6 +619,21 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
     listings = {c: k for c, k in counts["many"].items() if c.removeprefix("fs.") in LISTING}
     assert listings == {"fs.ls": 1}, counts["many"]
 
+    # A driver that ends (released its lease) sweeps its own leftovers on the way out, so the
+    # rerun after it does not list the run's directory at all: only a killed driver's does.
+    calls.clear()
+    plan = prepare.prepare_run(
+        f"{__name__}:noop_train_loop",
+        {},
+        ScalingConfig(),
+        RunConfig(name="many", storage_path=storage.path, storage_options=storage.options),
+        log=lambda msg: None,
+    )
+    counted = Counter(calls)
+    plan.release()
+    assert plan.state.latest == checkpoint_dir_name(60, 0, ATTEMPT_0)
+    assert counted["read_bytes"] == 2 and counted["list_dir"] == 0, counted
+
 
 # -- the sealed checkpoint index: a head of bounded size, older entries in immutable chunks --------
 

@@ -4,6 +4,7 @@ controller's construction. Everything here runs in the flow process, before or a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -47,8 +48,17 @@ class RunPlan:
         return self.state.status == "finished"
 
     def release(self) -> None:
-        """The driver is done with the run: the next one may start at once."""
-        self.lease.release()
+        """The driver is done with the run (its ranks are gone): remove the checkpoint
+        directories it left uncommitted, so that the next start need not list the run (a driver
+        that finished swept already), then let the next driver start at once."""
+        try:
+            if not self.finished:
+                with contextlib.suppress(RunLockedError):  # the run is another driver's now
+                    _sweep_orphans(
+                        self.storage, self.store, self.state, self.run_config, logger.info
+                    )
+        finally:  # also on a second Ctrl+C midway
+            self.lease.release()
 
     def result(self) -> TrainResult:
         return TrainResult.from_state(self.storage, self.state, self.run_config.checkpoint_config)
@@ -210,7 +220,10 @@ def _rehydrate(
     state = store.load()
     where = storage.uri(run_config.name)
     trains_on = resume.check(run_config, state, new, where, log)  # a finished run, extended
-    resumed = state is not None  # a new run has nothing to sweep (nor a run with no state file)
+    # A driver that ended released the lease, and swept its leftovers; one that was killed
+    # could do neither. A new run has nothing to sweep (nor a run with no state file).
+    crashed = lease.previous is None or not lease.previous.released
+    sweep = state is not None and crashed
     spent = None
     if state is None:
         state = RunState(name=run_config.name)
@@ -219,8 +232,6 @@ def _rehydrate(
         log(f"run {run_config.name!r} at {where} already finished; nothing to train")
         return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
     else:
-        # A driver that ended released the lease; one that was killed could not.
-        crashed = lease.previous is None or not lease.previous.released
         spent = _resume(state, where, log, crashed, run_config)
     state.config, state.config_fingerprint = new  # what the run trains with from now on
     state.driver_runs += 1
@@ -232,7 +243,7 @@ def _rehydrate(
         raise storage_error(run_config, "write", e) from None
     if spent is not None:
         raise spent  # recorded: Failed, which no automation reruns; a rerun by hand counts afresh
-    if resumed:
+    if sweep:
         _sweep_orphans(storage, store, state, run_config, log)
     return RunPlan(train_loop, config, scaling, run_config, storage, store, state, lease)
 
@@ -241,12 +252,13 @@ def _sweep_orphans(
     storage: Storage, store: RunStore, state: RunState, run_config: RunConfig, log: Callable
 ) -> None:
     """Remove the checkpoint directories the run state does not reference: uploads of rounds
-    that a killed (or failed) driver never committed. A driver that finishes training sweeps
-    its own in `Controller._finish`; nothing else would remove these.
+    that a driver never committed. A driver that finishes training sweeps its own in
+    `Controller._finish` (reading the sealed index too), one that stops otherwise in
+    `RunPlan.release`, and the next start sweeps after a driver that was killed.
 
-    Crash ordering: this runs under the lease, after this driver's start is saved and before
-    any rank of this driver exists, so a directory unreferenced now belongs to an attempt that
-    can never commit (its driver is gone); a crash midway leaves the rest for the next start.
+    Crash ordering: this runs under the lease, when no rank of this driver exists (before the
+    first, or after the last), so a directory unreferenced now belongs to an attempt that can
+    never commit; a crash midway leaves the rest for the next start.
     Cost: one listing of the run's directory, no read (invariant 5): an orphan older than the
     head's oldest entry of a run with a sealed index is left to `_finish`'s full sweep."""
     manager = CheckpointManager(storage, store, run_config.checkpoint_config)
@@ -257,14 +269,11 @@ def _sweep_orphans(
     except Exception as e:  # leftovers cost space, not correctness: train, and sweep next time
         log(
             f"could not remove the uncommitted checkpoint directories of run {state.name!r} "
-            f"({type(e).__name__}: {e}); the next driver start tries again"
+            f"({type(e).__name__}: {e}); a later sweep removes them"
         )
         return
     if removed:
-        log(
-            f"removed {len(removed)} uncommitted checkpoint directories left by a crash: "
-            f"{', '.join(removed)}"
-        )
+        log(f"removed {len(removed)} uncommitted checkpoint directories: {', '.join(removed)}")
 
 
 def _resume(
