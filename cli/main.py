@@ -11,6 +11,8 @@
                       (`cli/runs.py`); both with --json for scripts
     ft-train automations install
                       the Prefect automations that rerun a crashed driver (`cli/automations.py`)
+    ft-train dask-config
+                      the Dask settings, as YAML, for a cluster that ft-train does not start
 
 Exit codes: 0 success, 1 a failed or missing run, 2 bad arguments, 130 interrupted.
 """
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from . import automations, demo, run, runs
+from . import automations, dask_config, demo, run, runs
 from .common import EXIT_FAILED
 
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     runs.add_parsers(commands)
     automations.add_parser(commands)
+    dask_config.add_parser(commands)
     return parser
 
 

@@ -235,7 +235,7 @@ def test_a_slurm_cluster_class_builds_its_job_script_without_slurm(caplog):
         "#SBATCH -t 04:00:00",
         "#SBATCH --gres=gpu:1",
         "#SBATCH --cpus-per-task=8",
-        "export DASK_DISTRIBUTED__WORKER__DAEMON=False",
+        'ft-train dask-config > "$DASK_CONFIG"',
         "--nthreads 1",
         "--nanny",
         "--resources GPU=1",
@@ -253,7 +253,10 @@ SLURM = {
     "memory": "64GB",
     "walltime": "04:00:00",
     "job_extra_directives": ["--gres=gpu:1"],
-    "job_script_prologue": ["export DASK_DISTRIBUTED__WORKER__DAEMON=False"],
+    "job_script_prologue": [  # ft-train's Dask settings for the worker (docs/clusters.md)
+        "export DASK_CONFIG=/tmp/ft-train-dask-$SLURM_JOB_ID.yaml",
+        'ft-train dask-config > "$DASK_CONFIG"',
+    ],
     "worker_extra_args": [
         "--resources",
         "GPU=1",

@@ -71,6 +71,16 @@ DASK_SETTINGS = {
 }
 
 
+def dask_config() -> dict:
+    """DASK_SETTINGS as a nested Dask config (what `ft-train dask-config` writes as YAML), for a
+    scheduler and workers that ft-train does not start: they read it from a file in DASK_CONFIG
+    or /etc/dask. Environment variables cannot carry the nanny's pre-spawn-environ (Dask
+    lower-cases their keys)."""
+    config: dict = {}
+    dask.config.set(DASK_SETTINGS, config=config)  # writes into `config`, not Dask's own
+    return config
+
+
 # What the fork server imports before it forks workers: what a rank needs (torch._dynamo is
 # imported by the first DistributedDataParallel, about a second).
 FORKSERVER_PRELOAD = ["distributed", "torch", "torch.distributed", "torch._dynamo"]
