@@ -164,14 +164,18 @@ def recovery(p: dict) -> dict:
 
 class DaskCluster:
     """A Dask cluster of separate processes, as deployed: a scheduler and `dask worker`s, each a
-    nanny process with one single-threaded worker process under it."""
+    nanny process with one single-threaded worker process under it, all reading ft-train's
+    settings from the file `ft-train dask-config` prints (docs/clusters.md)."""
 
     def __init__(self, workdir: str):
-        self.env = dict(
-            os.environ,
-            DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",
-            DASK_DISTRIBUTED__WORKER__DAEMON="False",
-        )
+        import yaml
+
+        from ft_train.driver.cluster import dask_config
+
+        config = os.path.join(workdir, "dask-config.yaml")  # `ft-train dask-config`, as documented
+        with open(config, "w") as f:
+            yaml.safe_dump(dask_config(), f)
+        self.env = dict(os.environ, DASK_CONFIG=config)
         self.dask = os.path.join(os.path.dirname(sys.executable), "dask")
         self.log = open(os.path.join(workdir, "dask.log"), "ab")
         self.procs: list[subprocess.Popen] = []
