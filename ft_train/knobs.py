@@ -49,9 +49,13 @@ PROGRESS_LOG_EVERY_S = 10.0
 # The metric history is written at a checkpoint's commit at most this often (and always at a
 # failure and at the run's end): one small write, not one per checkpoint of a fast run.
 HISTORY_SAVE_EVERY_S = 5.0
-# The Prefect UI's progress, plot and history artifacts are updated at most this often: each
-# update is an API call on the controller's thread (a failure's table is updated at once).
+# The Prefect UI's progress artifact is updated at most this often: each update is an API call
+# on the controller's thread (a failure's table is updated at once).
 UI_UPDATE_EVERY_S = 2.0
+# Its metric history and plot (up to 256 rows, an SVG: the server stores each update whole) at
+# most this often, and at each attempt, failure and end: every 2 s they cost the ranks ~1-2 %
+# of their steps on 2 cores (bench/README.md).
+UI_HISTORY_EVERY_S = 10.0
 # A worker that accepts a connection but never answers (its process or machine frozen) would hold
 # a group's start, a kill, a recovery or a Ctrl+C until the scheduler drops it: given up on then.
 ANSWER_TIMEOUT_S = 5.0

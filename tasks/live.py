@@ -11,8 +11,9 @@ its first update and then updated in place (one version per flow run, not one pe
 Progress, in the first of these that the run tells: `total_steps` among the reported metrics
 (report rounds done of it); `epoch` among them with `epochs` in `train_loop_config` (epochs done
 of it); else no total is known, and the progress stays at 0 with "step N, total unknown" in its
-description until the run finishes (100). Updated at most every `knobs.UI_UPDATE_EVERY_S`
-(each update is an API call on the controller's thread), and at each attempt, failure and end.
+description until the run finishes (100). Progress is updated at most every
+`knobs.UI_UPDATE_EVERY_S`, the history and plot every `knobs.UI_HISTORY_EVERY_S` (each update
+is an API call on the controller's thread), and all of them at each attempt, failure and end.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prefect.artifacts import (
     create_progress_artifact,
     create_table_artifact,
 )
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import ArtifactUpdate
 
 from ft_train import knobs
@@ -75,7 +77,7 @@ class LiveView(Callback):
         self.plan = plan
         self.ids: dict[str, UUID] = {}
         self._index, self._metrics = plan.state.report_index, plan.state.metrics or {}
-        self._shown_at = -float("inf")
+        self._shown_at = self._history_at = -float("inf")
         self._lock = threading.Lock()  # the controller's thread and the timer's
         self._timer: threading.Timer | None = None
 
@@ -101,7 +103,7 @@ class LiveView(Callback):
     def _due(self) -> None:
         wait = self._shown_at + knobs.UI_UPDATE_EVERY_S - time.monotonic()
         if wait <= 0:
-            self.refresh()
+            self.refresh(history=False)
         elif self._timer is None:
             run = contextvars.copy_context().run  # the flow run's Prefect settings and client
             self._timer = threading.Timer(wait, run, [self._trailing])
@@ -111,7 +113,7 @@ class LiveView(Callback):
     def _trailing(self) -> None:
         self._timer = None
         try:
-            self.refresh()
+            self.refresh(history=False)
         except Exception as e:  # only the UI loses; the next report tries again
             logger.warning("ft-train: the UI's update failed (%s: %s)", type(e).__name__, e)
 
@@ -122,49 +124,54 @@ class LiveView(Callback):
         self.refresh()
         self.show_failures()
 
-    def refresh(self) -> None:
-        """The progress, the metric history and its plot."""
-        with self._lock:
-            self._refresh()
+    def refresh(self, history: bool = True) -> None:
+        """The progress, and the metric history and its plot if `history` or they are due."""
+        with self._lock, get_client(sync_client=True) as client:
+            self._refresh(client, history)
 
-    def _refresh(self) -> None:
-        self._shown_at = time.monotonic()
+    def _refresh(self, client: SyncPrefectClient, history: bool) -> None:
+        self._shown_at = now = time.monotonic()
         state, name = self.plan.state, self.plan.run_config.name
         pct, what = progress(self._index, self._metrics, self.plan.train_loop_config)
         if state.status == "finished":
             pct, what = 100.0, f"finished at step {state.report_index}"
         elif state.status in ("failed", "interrupted"):
             what = f"{state.status} at step {self._index}: {what}"
-        self._show("progress", pct, what, create_progress_artifact)
-        history = self.plan.history
-        rows = [{k: _cell(v) for k, v in p.items()} for p in history.rows()]
-        shown = f"{len(rows)} points" + (
-            f", one every {history.stride} steps" * (history.stride > 1)
-        )
+        self._show(client, "progress", pct, what, create_progress_artifact)
+        if not history and now - self._history_at < knobs.UI_HISTORY_EVERY_S:
+            return
+        self._history_at, kept = now, self.plan.history
+        rows = [{k: _cell(v) for k, v in p.items()} for p in kept.rows()]
+        shown = f"{len(rows)} points" + (f", one every {kept.stride} steps" * (kept.stride > 1))
+        description = f"Metric history of run {name!r} ({shown})"
+        self._show(client, "metrics", rows, description, create_table_artifact)
+        plotted = plot.data_url(kept)
         self._show(
-            "metrics", rows, f"Metric history of run {name!r} ({shown})", create_table_artifact
+            client, "metrics-plot", plotted, f"Metrics of run {name!r}", create_image_artifact
         )
-        plotted = plot.data_url(history)
-        self._show("metrics-plot", plotted, f"Metrics of run {name!r}", create_image_artifact)
 
     def show_failures(self) -> None:
         state, cfg = self.plan.state, self.plan.run_config.failure_config
         if not state.failures and "failures" not in self.ids and state.status == "running":
             return  # nothing to show yet
         rows = failure_rows(state, cfg.max_failures)
-        with self._lock:
-            self._show("failures", rows, budgets(self.plan), create_table_artifact)
+        with self._lock, get_client(sync_client=True) as client:
+            self._show(client, "failures", rows, budgets(self.plan), create_table_artifact)
 
-    def _show(self, what: str, data: Any, description: str, create: Callable[..., Any]) -> None:
+    def _show(
+        self,
+        client: SyncPrefectClient,
+        what: str,
+        data: Any,
+        description: str,
+        create: Callable[..., Any],
+    ) -> None:
         key = artifact_key(self.plan.run_config.name, what)
         if what not in self.ids:
             self.ids[what] = create(data, key=key, description=description)  # sync: a UUID
             return
         stored = json.dumps(data) if isinstance(data, list) else data  # as `create` stores it
-        with get_client(sync_client=True) as client:
-            client.update_artifact(
-                self.ids[what], ArtifactUpdate(data=stored, description=description)
-            )
+        client.update_artifact(self.ids[what], ArtifactUpdate(data=stored, description=description))
 
 
 def failure_rows(state: RunState, max_failures: int) -> list[dict[str, Any]]:
