@@ -29,7 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_dask_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import yaml
 
-    from ft_train.driver.cluster import dask_config
+    from ft_train.driver.dask_settings import dask_config
 
     print(HEADER + yaml.safe_dump(dask_config(), sort_keys=False), end="")
     return EXIT_OK

@@ -9,10 +9,8 @@ a nanny's restart and the ranks' own cores (the spare's import) paid. A training
 heavy imports are added the same way (`ClusterConfig.preload`, or Python's
 `multiprocessing.set_forkserver_preload` before the first run): the group's processes are
 replaced after every failure, and each new one would import them again while the others wait.
-Settings that fault tolerance depends on stay in force for the cluster's
-whole life (nannies read them again each time they restart a worker):
-- `allowed-failures: 0`: Dask must never re-run a rank whose worker died; the group restarts.
-- `worker.daemon: False`: a rank may start processes (`DataLoader(num_workers>0)`).
+ft-train's Dask settings (`driver.dask_settings`) stay in force for the cluster's whole life
+(nannies read them again each time they restart a worker).
 For GPUs, one worker per GPU with `CUDA_VISIBLE_DEVICES` set and a `GPU` resource.
 """
 
@@ -33,53 +31,12 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from .. import knobs
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
+from .dask_settings import DASK_SETTINGS as DASK_SETTINGS  # where tests and bench/ find it
+from .dask_settings import dask_config as dask_config
 from .user_cluster import check_scheduler as check_scheduler  # where flows/ find it
 from .user_cluster import load_cluster_class, user_client
 
 logger = logging.getLogger("ft_train")
-
-DASK_SETTINGS = {
-    "distributed.scheduler.allowed-failures": 0,
-    "distributed.worker.daemon": False,
-    "distributed.scheduler.worker-ttl": "60s",
-    # A LocalCluster/SpecCluster closes a nanny whose worker has not come back this long after
-    # it was lost; with a worker killed twice in a row, the cluster would shrink for good.
-    "distributed.deploy.lost-worker-timeout": "1h",
-    # Worker processes read this when they import distributed. A failed rank is reported by the
-    # controller, with its traceback; Dask's own "Compute Failed" would say it twice.
-    "distributed.nanny.pre-spawn-environ.DASK_LOGGING__DISTRIBUTED": "critical",
-    # Dask sets MALLOC_TRIM_THRESHOLD_=65536 in worker processes, which turns off glibc's
-    # adaptive mmap threshold: every large tensor becomes a fresh mmap and its page faults.
-    # None unsets it. (The figures behind these settings: bench/README.md.)
-    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-    # A rank trains on a Dask executor thread, and glibc gives such a thread an arena of its own,
-    # made of 64 MB heaps. When a step's allocations cross a heap's end, every step maps a fresh
-    # heap for one gradient and unmaps it when it is freed. One arena: the rank allocates from
-    # the process's main heap, as bare DDP's main thread does.
-    "distributed.nanny.pre-spawn-environ.MALLOC_ARENA_MAX": 1,
-    # The statistical profiler samples every thread's stack every 10 ms, the rank's included.
-    "distributed.worker.profile.enabled": False,
-    # Every scheduler, nanny and worker wakes its event loop every 20 ms to time it (for a
-    # "blocked event loop" warning after 3 s) and every 0.5 s to sample the system (dashboard
-    # metrics), taking the ranks' cores and GIL.
-    "distributed.admin.tick.interval": "1s",
-    "distributed.admin.system-monitor.interval": "2s",
-    # Each rank's task is bound to its worker, and holds no data: work stealing (a scheduler
-    # callback every second) and the active memory manager (every 2 s) have nothing to do.
-    "distributed.scheduler.work-stealing": False,
-    "distributed.scheduler.active-memory-manager.start": False,
-}
-
-
-def dask_config() -> dict:
-    """DASK_SETTINGS as a nested Dask config (what `ft-train dask-config` writes as YAML), for a
-    scheduler and workers that ft-train does not start: they read it from a file in DASK_CONFIG
-    or /etc/dask. Environment variables cannot carry the nanny's pre-spawn-environ (Dask
-    lower-cases their keys)."""
-    config: dict = {}
-    dask.config.set(DASK_SETTINGS, config=config)  # writes into `config`, not Dask's own
-    return config
-
 
 # What the fork server imports before it forks workers: what a rank needs (torch._dynamo is
 # imported by the first DistributedDataParallel, about a second).

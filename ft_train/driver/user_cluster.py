@@ -3,10 +3,11 @@ run and closes at its end (`cluster_class`, `cluster_kwargs`, `adapt_kwargs`: SL
 dask-jobqueue, Kubernetes through dask-kubernetes, ...), a live cluster object the caller owns,
 or a running scheduler's `address`; and the run's Client to it (`client_kwargs`: TLS).
 
-A cluster class is started under ft-train's Dask settings (`cluster.DASK_SETTINGS`, entered by
-the caller): its scheduler runs in the driver's process and reads them when it starts, so it
-never re-runs a rank whose worker died. A live cluster or an address is the user's: its scheduler
-must have been started with them (README, "Existing clusters").
+A cluster class is started under ft-train's Dask settings (`dask_settings`, entered by the
+caller): its scheduler runs in the driver's process and reads them when it starts, so it never
+re-runs a rank whose worker died; its workers read them from the file `ft-train dask-config`
+prints. A live cluster or an address is the user's: its scheduler and workers must have been
+started with them (docs/clusters.md); the run says which settings they lack.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from distributed.deploy import Cluster
 
 from ..cluster_config import ClusterConfig
 from ..errors import ConfigError
+from .dask_settings import warn_if_not_in_force
 
 logger = logging.getLogger("ft_train")
 
@@ -107,32 +109,8 @@ def user_client(cfg: ClusterConfig) -> Iterator[Client]:
         except TypeError as e:
             raise ConfigError(f"cluster.client_kwargs: {e}; fix client_kwargs") from None
         stack.enter_context(client)
-        _warn_if_it_reruns_ranks(client)
+        warn_if_not_in_force(client)
         yield client
-
-
-def _allowed_failures(dask_scheduler) -> int:
-    return dask_scheduler.allowed_failures
-
-
-def _warn_if_it_reruns_ranks(client: Client) -> None:
-    """A scheduler ft-train did not start in this process (an address, a live cluster, a
-    cluster class whose scheduler runs elsewhere: dask-kubernetes) read its own settings. With
-    Dask's default allowed-failures (3) it re-runs a task whose worker died: say how to start
-    it. (A warning: ranks are pinned to their worker's address, and the group restarts anyway.)"""
-    try:
-        allowed = client.run_on_scheduler(_allowed_failures)
-    except Exception as e:  # a scheduler that refuses pickled calls: it cannot be asked
-        logger.debug("cannot read the scheduler's allowed-failures: %s", e)
-        return
-    if allowed != 0:
-        logger.warning(
-            "ft-train: the Dask scheduler at %s has allowed-failures=%s: it re-runs a task "
-            "whose worker died, where ft-train restarts the whole group itself; start it with "
-            "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0 (README: Existing clusters)",
-            client.scheduler.address,
-            allowed,
-        )
 
 
 def check_scheduler(cluster: ClusterConfig) -> None:
