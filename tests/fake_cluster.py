@@ -5,7 +5,7 @@ the controller's queue (`FakeGroup.report`, `.raised`, `.lost`, ...) and steps t
 from __future__ import annotations
 
 import queue
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ft_train.errors import RankFailure
@@ -34,9 +34,12 @@ class FakeGroup:
 
     # -- the Group protocol ----------------------------------------------------------------------
 
-    def start(self, plan, checkpoint_dir, start_report_index, exclude, snapshot=None) -> None:
+    def place(self, plan, exclude) -> None:
         usable = [w for w in self.cluster.workers if w not in exclude]
         self.addresses = usable[: plan.max_workers]
+        self.cluster.while_placing()
+
+    def start(self, plan, checkpoint_dir, start_report_index, snapshot=None) -> None:
         self.started_from = (checkpoint_dir, start_report_index)
         self.snapshot = snapshot
 
@@ -127,6 +130,7 @@ class FakeCluster:
         self.watching: list[float] = []
         self.warmed: list[tuple[str, ...]] = []
         self.snapshots: list[dict[str, Any]] = []  # the pieces held_snapshots answers
+        self.while_placing: Callable[[], Any] = lambda: None  # what happens as a group waits
 
     @property
     def group(self) -> FakeGroup:

@@ -263,7 +263,7 @@ class ExternalCluster:
         """The address of the worker that runs the task `key`."""
         return {k: a for a, keys in self.client.processing().items() for k in keys}[key]
 
-    def take_away(self, address: str) -> None:
+    def take_away(self, address: str, replace: bool = True) -> None:
         """Kill the node of the worker at `address`, and start a replacement node."""
         nanny = self.procs[self.workers()[address]]
         # The nanny first, so that it is gone once the scheduler sees its worker go: a lost
@@ -274,7 +274,8 @@ class ExternalCluster:
             os.killpg(nanny.pid, signal.SIGKILL)  # the worker (and fork server) left in its group
         except ProcessLookupError:
             pass  # they already left with the nanny
-        self.add_node()
+        if replace:
+            self.add_node()
 
     def sigterm(self, address: str) -> None:
         """What a cloud does to a preempted machine's processes: SIGTERM to the worker."""

@@ -348,6 +348,42 @@ def test_ranks_that_joined_by_their_journals_do_not_count_as_a_failed_start(make
     assert ctl.start_failures == 0 and ctl.state.charged_failures == 4
 
 
+def held(attempt_id: str, rank: int, index: int) -> dict:
+    """A holder's answer for one whole copy of a rank's snapshot piece."""
+    return {
+        "holder": f"tcp://n{rank}:1",
+        "attempt_id": attempt_id,
+        "rank": rank,
+        "index": index,
+        "kind": "snapshot",
+        "world_size": 2,
+        "size": 1,
+        "sha256": "x",
+        "ok": True,
+    }
+
+
+@pytest.mark.parametrize("lost_while_placing", [False, True])
+def test_the_snapshot_round_is_chosen_once_the_restarts_workers_are_placed(
+    make, lost_while_placing
+):
+    """A holder lost while the restart waits for its workers is not chosen: the round to restore
+    is chosen after the workers are placed, not before (a rank would fetch from a dead holder)."""
+    ctl, cluster, _ = make(max_failures=1)
+    group = started(ctl)
+    cluster.snapshots = [held(group.attempt_id, rank, 5) for rank in (0, 1)]
+    group.raised(0, "boom", step=6)
+    with pytest.raises(WorkerGroupError):
+        ctl.run_segment()
+    if lost_while_placing:
+        cluster.while_placing = lambda: cluster.snapshots.pop()  # rank 1's only copy
+    nxt = started(ctl)
+    if lost_while_placing:
+        assert nxt.snapshot is None and nxt.started_from == (None, 0)
+    else:
+        assert nxt.snapshot is not None and nxt.started_from == (None, 5)
+
+
 # -- what the journals keep -------------------------------------------------------------------
 
 

@@ -273,7 +273,9 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     # Rank 1 holds right after report 27: the checkpoint on storage is at 20, and round 26 is
     # held in full. Then the node of every holder of rank 1's pieces is SIGKILLed (nanny and
     # worker): its own, and once the scheduler has seen it go, rank 0's. No round after 20 is
-    # whole: the restart must take the checkpoint at 20, not a round it cannot fetch.
+    # whole: the restart must take the checkpoint at 20, not a round it cannot fetch. The spare
+    # goes first, without a replacement: the restart then waits for a new node to join (seconds)
+    # and cannot start on rank 0's node before that node is lost too.
     target, name = local(tmp_path), f"snap-holder-{pace}"
     run = run_key(fresh(target).uri(name))
     seen: dict = {}
@@ -284,6 +286,10 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
         seen["holders"] = {holder for rank, holder in copies(held(), 26) if rank == 1}
         attempt_id = load_state(target, name).attempts[0].attempt_id
         rank_1 = nodes.running(f"ft-train-rank-1-{attempt_id}")
+        rank_0 = nodes.running(f"ft-train-rank-0-{attempt_id}")
+        (spare,) = set(nodes.workers()) - {rank_0, rank_1}
+        nodes.take_away(spare, replace=False)
+        wait_for(lambda: spare not in nodes.workers(), 30, f"the scheduler to drop {spare}")
         workers = nodes.client.scheduler_info(n_workers=-1)["workers"]
         holding = [a for a, w in workers.items() if w.get("nanny") in seen["holders"]]
         for node in sorted(holding, key=lambda a: a != rank_1):  # rank 1's first

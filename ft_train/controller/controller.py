@@ -168,11 +168,10 @@ class Controller:
             self.cluster.hold_snapshots()
             self._watching = True
         group = self.cluster.new_group(attempt, self.events, self._run_uri)
+        group.place(self.plan, self.dead_workers)
         snap = self._snapshot_to_restore()
         start = snap.index if snap is not None else self.state.report_index
-        group.start(
-            self.plan, self.state.latest, start, self.dead_workers, snap.spec() if snap else None
-        )
+        group.start(self.plan, self.state.latest, start, snap.spec() if snap else None)
         self.snapshots.started(group.attempt_id, snap)
         record = AttemptRecord(
             attempt=attempt,

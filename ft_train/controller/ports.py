@@ -40,14 +40,20 @@ class Group(Protocol):
     attempt_id: str
     addresses: list[str]  # the workers, in rank order
 
+    def place(self, plan: GroupPlan, exclude: set[str]) -> None:
+        """Wait for the group's workers (`addresses`), before the round to restore is chosen:
+        a snapshot holder lost meanwhile is not chosen."""
+        ...
+
     def start(
         self,
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        exclude: set[str],
         snapshot: dict[str, Any] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Start a rank on each placed worker."""
+        ...
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
         """Stop every rank; the workers killed or lost (not to be used again)."""

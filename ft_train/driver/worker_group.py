@@ -61,7 +61,9 @@ class WorkerGroup:
         self.attempt_id = uuid.uuid4().hex
         self.topic = f"ft-train-{self.attempt_id}"
         self.events = events
-        self.addresses: list[str] = []
+        self.addresses: list[str] = []  # placed (`place`), in rank order
+        self._ports: dict[str, int] = {}  # a free port on each, for the rendezvous
+        self._info: dict[str, Any] = {}  # the scheduler's word on each, when placed
         self.nannies: dict[str, str | None] = {}
         self.hosts: dict[str, str] = {}
         self.futures: list = []
@@ -69,20 +71,21 @@ class WorkerGroup:
         self.placed: set[str] = set()  # the snapshot holders given to ranks (the cluster's set)
         self.dead_holders: set[str] = set()  # snapshot holders gone or silent (the cluster's set)
 
+    def place(self, plan: GroupPlan, exclude: set[str]) -> None:
+        self.addresses, self._ports = await_workers(self.client, plan, exclude)
+        self._info = self.client.scheduler_info(n_workers=-1)["workers"]
+
     def start(
         self,
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        exclude: set[str],
         snapshot: dict[str, Any] | None = None,
     ) -> None:
-        addrs, ports = await_workers(self.client, plan, exclude)
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        addrs, ports, info = self.addresses, self._ports, self._info
         placed = snapshot_holders.place_holders(addrs, info)
         holders = [tuple(h for h in hs if h not in self.dead_holders) for hs in placed]
         self.placed.update(h for hs in holders for h in hs)
-        self.addresses = addrs
         self.nannies = {a: info[a].get("nanny") for a in addrs}
         self.hosts = {a: info[a]["host"] for a in addrs}
         # Subscribe before submitting: both go to the scheduler on one ordered stream.
