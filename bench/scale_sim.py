@@ -200,18 +200,19 @@ class SimGroup(WorkerGroup):
         self.round: tuple[int, str] = (0, "m")  # the round ending (every rank sets the same)
         self.stop_s = self.journals_s = 0.0  # how long stop() and read_journals() took
 
+    def place(self, plan: GroupPlan, exclude: set[str]) -> None:
+        usable = [
+            w for w in self.cluster.workers if w not in exclude and w not in self.cluster.gone
+        ]
+        self.addresses = usable[: plan.max_workers]
+
     def start(
         self,
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        exclude: set[str],
         snapshot: Any = None,
     ) -> None:
-        usable = [
-            w for w in self.cluster.workers if w not in exclude and w not in self.cluster.gone
-        ]
-        self.addresses = usable[: plan.max_workers]
         self.hosts = {a: a.split("://")[1].rsplit(".", 1)[0] for a in self.addresses}
         self.nannies = dict.fromkeys(self.addresses)
         self.step = threading.Barrier(len(self.addresses))
