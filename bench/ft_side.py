@@ -170,7 +170,7 @@ class DaskCluster:
     def __init__(self, workdir: str):
         import yaml
 
-        from ft_train.driver.cluster import dask_config
+        from ft_train.driver.dask_settings import dask_config
 
         config = os.path.join(workdir, "dask-config.yaml")  # `ft-train dask-config`, as documented
         with open(config, "w") as f:

@@ -50,7 +50,7 @@ def max_stop_s() -> float:
     """The longest a run may stay stopped: four fifths of ft-train's worker-ttl."""
     from dask.utils import parse_timedelta
 
-    from ft_train.driver.cluster import DASK_SETTINGS
+    from ft_train.driver.dask_settings import DASK_SETTINGS
 
     return 0.8 * parse_timedelta(DASK_SETTINGS["distributed.scheduler.worker-ttl"])
 

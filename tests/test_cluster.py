@@ -31,7 +31,7 @@ def probe() -> dict:
 def allocates_from_main_heap() -> bool:
     """Run as a Dask task, on a worker's executor thread, where a rank trains: whether a block
     of 64 KiB (past the thread's cache, under glibc's mmap threshold) comes from the process's
-    main heap rather than an arena of the thread's own (see cluster.DASK_SETTINGS)."""
+    main heap rather than an arena of the thread's own (see dask_settings.DASK_SETTINGS)."""
     import ctypes
 
     libc = ctypes.CDLL(None)

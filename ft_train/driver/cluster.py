@@ -31,8 +31,7 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from .. import knobs
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
-from .dask_settings import DASK_SETTINGS as DASK_SETTINGS  # where tests and bench/ find it
-from .dask_settings import dask_config as dask_config
+from .dask_settings import DASK_SETTINGS
 from .user_cluster import check_scheduler as check_scheduler  # where flows/ find it
 from .user_cluster import load_cluster_class, user_client
 
