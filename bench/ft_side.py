@@ -26,7 +26,7 @@ TRAIN_LOOP = "bench.ft_side:train_loop"
 class FtApi(Api):
     system = "ft-train"
     async_owns_dir = False  # report() snapshots the directory; the loop deletes it
-    snapshot = None  # save(directory) for report(snapshot=...), once use_snapshots() set it
+    snapshot = None  # files() -> {file: state} for report(snapshot=...), set by use_snapshots()
 
     def __init__(self, staging: bool = True):
         self.staging = staging  # False: save into a plain temporary directory, as Ray's side does
@@ -49,11 +49,14 @@ class FtApi(Api):
     def report(self, metrics: dict, checkpoint_dir: str | None, mode: str) -> None:
         ckpt = ft_train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ft_train.report(
-            metrics, checkpoint=ckpt, checkpoint_upload_mode=mode, snapshot=self.snapshot
+            metrics,
+            checkpoint=ckpt,
+            checkpoint_upload_mode=mode,
+            snapshot=self.snapshot() if self.snapshot else None,
         )
 
-    def use_snapshots(self, save, jit) -> None:
-        self.snapshot = save
+    def use_snapshots(self, files, jit) -> None:
+        self.snapshot = files
         ft_train.enable_jit_checkpoint(jit)
 
     @contextlib.contextmanager

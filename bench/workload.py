@@ -94,9 +94,10 @@ class Api:
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
 
-    def use_snapshots(self, save: Callable[[str], None], jit: Callable[[str], None]) -> None:
-        """Hand the system's in-memory snapshot tier `save(directory)`, for its periodic
-        snapshots, and `jit(directory)`, for a just-in-time save when a peer fails."""
+    def use_snapshots(self, files: Callable[[], dict], jit: Callable[[str], None]) -> None:
+        """Hand the system's in-memory snapshot tier `files()`, this rank's {file name: state}
+        now, for its periodic snapshots, and `jit(directory)`, for a just-in-time save when a
+        peer fails."""
         raise NotImplementedError(f"{self.system} has no in-memory snapshots")
 
     def wait_committed(self, config: dict, step: int) -> None:
@@ -225,12 +226,15 @@ def run_loop(config: dict, api: Api) -> None:
     report_s: list[float] = []
     done = start  # the last step whose optimizer step completed: what a snapshot holds
 
-    def snapshot(d: str) -> None:
+    def snapshot() -> dict:
+        return {"state.pt": checkpoint_state(model, opt, done, None)} if rank == 0 else {}
+
+    def jit(d: str) -> None:
         torch.save(checkpoint_state(model, opt, done, None), os.path.join(d, "state.pt"))
 
     if config.get("snapshot"):
         # any survivor may be the one that saves just in time; a restore takes the lowest rank's
-        api.use_snapshots(snapshot if rank == 0 else lambda d: None, snapshot)
+        api.use_snapshots(snapshot, jit)
     control, stop_at = config.get("control"), None
 
     for step in range(start + 1, config["steps"] + 1):

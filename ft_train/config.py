@@ -156,7 +156,7 @@ class CheckpointConfig(_Config):
     snapshot_every: int | None = Field(
         None,
         ge=1,
-        description="Every this many reports, the state that report(snapshot=save) saves is held "
+        description="Every this many reports, the state given to report(snapshot=...) is held "
         "in a peer worker's memory; a restart resumes from the newest snapshot every rank's of "
         "which survived, when newer than the latest checkpoint. None: no snapshots.",
     )

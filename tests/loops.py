@@ -46,7 +46,8 @@ def fast_checkpoints(config):
     (the other ranks attach none, as in Ray's guide) or from every rank (`sharded`), uploaded
     with `mode` ("sync" or "async"). Faults from `faults` (ft_train.testing.faults) at the top of a step:
     at step s, right after report s returned. `snapshot`: offer report() the same state as an
-    in-memory snapshot at every report (ft-train takes it every `snapshot_every`); `jit`: opt in
+    in-memory snapshot at every report (ft-train takes it every `snapshot_every`), as
+    {file: state}, or as a function save(directory) with "save"; `jit`: opt in
     to a just-in-time save (every rank saves the whole replica as rank0.pt); `step_s`: seconds
     of simulated compute a step."""
     import tempfile
@@ -79,7 +80,13 @@ def fast_checkpoints(config):
         if sharded or rank == 0:
             torch.save(state(), os.path.join(d, f"rank{rank}.pt"))
 
-    snapshot = save_snapshot if config.get("snapshot") else None
+    def snapshot() -> object:
+        if config.get("snapshot") == "save":
+            return save_snapshot
+        if config.get("snapshot"):
+            return {f"rank{rank}.pt": state()} if sharded or rank == 0 else {}
+        return None
+
     if config.get("jit"):
         ft_train.enable_jit_checkpoint(lambda d: torch.save(state(), os.path.join(d, "rank0.pt")))
     while step < steps:
@@ -95,7 +102,7 @@ def fast_checkpoints(config):
         step += 1
         metrics = {"step": step, "loss": loss.item(), "resumed_from": resumed_from}
         if step % every and step < steps:
-            ft_train.report(metrics, snapshot=snapshot)
+            ft_train.report(metrics, snapshot=snapshot())
             continue
         with tempfile.TemporaryDirectory() as d:
             if sharded or rank == 0:
@@ -104,7 +111,7 @@ def fast_checkpoints(config):
             else:
                 attached = None
             ft_train.report(
-                metrics, checkpoint=attached, checkpoint_upload_mode=mode, snapshot=snapshot
+                metrics, checkpoint=attached, checkpoint_upload_mode=mode, snapshot=snapshot()
             )
 
 

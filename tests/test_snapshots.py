@@ -12,9 +12,12 @@ weights bit for bit against a run without faults.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
 import threading
+import zipfile
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ import torch
 import ft_train
 from ft_train.controller.snapshots import SnapshotTier, complete_rounds
 from ft_train.driver import snapshot_holders
-from ft_train.errors import CheckpointDamagedError
+from ft_train.errors import CheckpointDamagedError, SessionError
 from ft_train.worker import snapshot_store
 from ft_train.worker.journal import run_key
 from ft_train.worker.snapshots import RankSnapshots, pack
@@ -151,23 +154,30 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
             "both copies of rank 0's piece of round 26",
         )
         for piece in held_by_rank(name, target)[0]:
-            piece.blob = bytes([piece.blob[0] ^ 1]) + piece.blob[1:]
+            piece.blob = flipped(piece.blob, piece.blob.nbytes // 2)  # in the state's bytes
             damaged.append(piece.index)
 
     gate, thread = at_gate(tmp_path, 1, 27, damage)
     thread.start()
-    config = {"snapshot": True, "faults": [*gate, kill(1, 28, tmp_path)]}
+    config = {"snapshot": "save", "faults": [*gate, kill(1, 28, tmp_path)]}
     result = train_fast(target, name, config, max_failures=1)
     thread.join(10)
 
     assert sorted(damaged) == [24, 24, 26, 26]
     assert result.status == "finished", result.error
-    assert [(f.kind, f.rank, f.step) for f in result.failures] == [("process_death", 1, 28)]
-    # the damaged rounds are passed over: storage (20), or round 28, if both its pieces (sent
-    # after the damage) were held before the kill
-    restart = load_state(target, name).attempts[1]
-    assert restart.start_report_index in (20, 28), restart
-    assert (restart.restored_snapshot is None) == (restart.start_report_index == 20), restart
+    charged = [(f.kind, f.rank, f.step) for f in result.failures if f.charged]
+    assert charged == [("process_death", 1, 28)]
+    # rank 0 finds each damaged round it restores from (a CRC-32) and fails; the restart
+    # after that passes the round over, not charged
+    attempts = load_state(target, name).attempts[1:]
+    tried = [a.start_report_index for a in attempts]
+    assert tried[-1] in (20, 28), attempts  # storage, or round 28 (sent after the damage)
+    assert set(tried[:-1]) <= {24, 26}, attempts
+    unusable = [f for f in result.failures if not f.charged]
+    assert len(unusable) == len(tried) - 1, result.failures
+    assert all("no copy of rank 0's piece is held whole" in f.error for f in unusable)
+    last = attempts[-1]
+    assert (last.restored_snapshot is None) == (last.start_report_index == 20), last
     assert_bit_identical(weights(result), fault_free)
 
 
@@ -179,7 +189,7 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
         run = run_key(fresh(target).uri(name))
         stores = list(snapshot_store.STORES.items())
         seen["held"] = {(a, r): ix for a, s in stores for r, ix in s.held_pieces(run).items()}
-        seen["sizes"] = [len(p.blob) for ps in held_by_rank(name, target).values() for p in ps]
+        seen["sizes"] = [p.blob.nbytes for ps in held_by_rank(name, target).values() for p in ps]
         seen["peak"] = {a: s.peak_bytes for a, s in stores}
 
     gate, thread = at_gate(tmp_path, 0, 110, measure)
@@ -214,9 +224,7 @@ def nodes(tmp_path, monkeypatch):
 def copies(held: list[dict], index: int) -> set[tuple[int, str]]:
     """(rank, holder) of each whole copy of a piece of snapshot round `index`."""
     return {
-        (p["rank"], p["holder"])
-        for p in held
-        if (p["index"], p["kind"]) == (index, "snapshot") and p["ok"]
+        (p["rank"], p["holder"]) for p in held if (p["index"], p["kind"]) == (index, "snapshot")
     }
 
 
@@ -319,7 +327,14 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     assert_bit_identical(weights(result), fault_free)
 
 
-def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot", ok=True) -> dict:
+def flipped(blob: memoryview, at: int) -> memoryview:
+    """`blob` with one bit of byte `at` flipped, as a bit flip in a holder's memory would."""
+    damaged = bytearray(blob)
+    damaged[at] ^= 1
+    return memoryview(damaged)
+
+
+def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot") -> dict:
     """A holder's answer for one copy of a piece (`SnapshotStore.describe`)."""
     return {
         "holder": holder,
@@ -329,33 +344,30 @@ def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot", o
         "kind": kind,
         "world_size": 2,
         "size": 10,
-        "sha256": f"sha-{rank}-{index}",
-        "ok": ok,
     }
 
 
-def test_a_round_is_complete_while_one_copy_of_each_piece_is_whole():
+def test_a_round_is_complete_while_one_copy_of_each_piece_is_held():
     held = [
-        # round 26: rank 0's copy on B damaged, the one on A whole
-        *[held_copy(0, "A"), held_copy(0, "B", ok=False), held_copy(1, "A"), held_copy(1, "B")],
-        # round 28: both copies of rank 0's piece damaged
-        *[held_copy(0, h, 28, ok=False) for h in "AB"],
-        *[held_copy(1, h, 28) for h in "AB"],
-        # round 30: rank 1's piece lost with both its holders
-        *[held_copy(0, h, 30) for h in "AB"],
+        # round 26: rank 0's piece on A only, rank 1's on A and B
+        *[held_copy(0, "A"), held_copy(1, "A"), held_copy(1, "B")],
+        # round 28: rank 1's piece lost with both its holders
+        *[held_copy(0, h, 28) for h in "AB"],
     ]
     (rnd,) = complete_rounds(held)
     assert (rnd.index, rnd.kind) == (26, "snapshot")
-    # the restoring ranks are given the whole copies only
+    # the restoring ranks are given every copy, to fetch the first that is whole
     assert [(p["rank"], p["holder"]) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
-    assert SnapshotTier(lineage=["a0"]).choose(held, newer_than=20) == rnd
-    assert SnapshotTier(lineage=["a0"]).choose(held, newer_than=26) is None
+    tier = SnapshotTier(lineage=["a0"])
+    assert tier.choose(held, newer_than=20) == rnd
+    assert tier.choose(held, newer_than=26) is None
+    # a rank found no copy of a piece of round 26 whole: passed over from then on
+    assert tier.unusable("snapshot://a0/26")
+    assert tier.choose(held, newer_than=20) is None
 
-    # a just-in-time round: a survivor's piece with one whole copy counts, with none it does not
-    jit = [held_copy(0, "A", 27, "jit", ok=False), held_copy(0, "B", 27, "jit")]
-    assert [(r.index, r.kind, len(r.pieces)) for r in complete_rounds(jit)] == [(27, "jit", 1)]
-    jit[1]["ok"] = False
-    assert complete_rounds(jit) == []
+    # a just-in-time round: the survivors' pieces, whichever ranks they were
+    jit = [held_copy(0, "A", 27, "jit"), held_copy(0, "B", 27, "jit")]
+    assert [(r.index, r.kind, len(r.pieces)) for r in complete_rounds(jit)] == [(27, "jit", 2)]
 
 
 def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
@@ -376,12 +388,13 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
         a, b = sorted(client.scheduler_info()["workers"])
         blobs, pieces = [pack(writes("zero")), pack(writes("one"))], []
         for rank, blob in enumerate(blobs):
-            piece = held_copy(rank, b) | {"sha256": snapshot_store.digest(blob)}
+            piece = held_copy(rank, b) | {"size": len(blob)}
             assert snapshot_store.STORES[b].put(run, piece, blob) == {"status": "OK"}
             pieces += [piece | {"holder": a}, piece]
         assert snapshot_store.STORES[a].put(run, pieces[0], blobs[0]) == {"status": "OK"}
         (damaged,) = snapshot_store.STORES[a].pieces[(run, 0)]
-        damaged.blob = bytes([damaged.blob[0] ^ 1]) + damaged.blob[1:]
+        damaged.blob = flipped(damaged.blob, bytes(damaged.blob).index(b"zero", 38))  # a byte of
+        # the file's, after the zip's header (30 bytes and the name): only its CRC-32 tells
 
         def restore(pieces: list[dict]) -> dict[str, str]:  # on a worker, as a rank would
             snapshots = RankSnapshots(run, "a1", 0, 2, [], 2)
@@ -398,3 +411,56 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
         }
         with pytest.raises(CheckpointDamagedError, match="no copy of rank 1's piece"):
             client.submit(restore, pieces[:3], pure=False).result()
+
+
+def test_a_state_snapshot_is_copied_in_report_and_saved_in_the_background(tmp_path):
+    # report(snapshot={file: state}) returns once the tensors are copied; the training changes
+    # them at once, while torch.save runs on another thread: the held piece is the state of the
+    # report. A state torch.save cannot take fails the rank's next snapshot, by name.
+    from distributed import Client, LocalCluster, get_worker
+
+    run = "staged-" + tmp_path.name
+
+    def reports() -> str:  # on a worker, as a rank's reports would be
+        snapshots = RankSnapshots(run, "a1", 0, 1, [get_worker().address], 1)
+        weight = torch.zeros(1_000_000)
+        try:
+            for index in (1, 2):
+                weight.fill_(index)
+                snapshots.offer({"rank0.pt": {"weight": weight, "index": index}}, index)
+                weight.fill_(-1)  # the next step, while the piece is packed
+            snapshots.offer({"rank0.pt": {"weight": weight, "hook": lambda: 0}}, 3)
+            with pytest.raises(SessionError, match="could not be saved with torch.save") as e:
+                snapshots.offer({"rank0.pt": {"weight": weight}}, 4)
+            return str(e.value)
+        finally:
+            snapshots.close()
+
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(snapshot_store.SnapshotWorkerHolder())
+        (holder,) = client.scheduler_info()["workers"]
+        assert "lambda" in client.submit(reports, pure=False).result()
+        held = snapshot_store.STORES[holder].pieces[(run, 0)]
+        assert [p.index for p in held] == [1, 2]
+        for piece in held:
+            out = tmp_path / f"piece-{piece.index}"
+            zipfile.ZipFile(io.BytesIO(piece.blob)).extractall(out)
+            state = torch.load(out / "rank0.pt")
+            assert state["index"] == piece.index
+            assert torch.equal(state["weight"], torch.full((1_000_000,), float(piece.index)))
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "says"),
+    [
+        ([1, 2], "give {file name: state}"),
+        ({"ckpt/rank0.pt": {}}, "each key is a plain file name"),
+        ({"..": {}}, "not a file name"),
+    ],
+)
+def test_a_snapshot_that_is_not_files_of_state_is_refused_by_name(snapshot, says):
+    with pytest.raises(SessionError, match=re.escape(says)):
+        RankSnapshots("run", "a1", 0, 1, [], 1).offer(snapshot, 1)

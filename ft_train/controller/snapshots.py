@@ -1,14 +1,14 @@
 """Which in-memory snapshot round a restart restores from, if any (`ft_train.worker.snapshots`).
 
-The holders say what they hold (`Cluster.held_snapshots`), each piece's checksum checked again
-as they answer. A rank's piece may have two copies, on two holders (`driver.snapshot_holders`):
-a piece is held whole when one of its copies is held and matches its sha256. A round is one
-attempt's pieces at one report index, never pieces of two attempts. A snapshot round is
-complete when every rank of its attempt has its piece held whole; a just-in-time round (saved
-by the survivors of a failure) when at least one survivor's piece is, and no survivor's piece
-has only damaged copies. The restart takes the newest complete round newer than the latest
-checkpoint on storage (a snapshot round before a just-in-time one at the same index), else
-storage.
+The holders say what they hold (`Cluster.held_snapshots`). A rank's piece may have two copies,
+on two holders (`driver.snapshot_holders`). A round is one attempt's pieces at one report
+index, never pieces of two attempts. A snapshot round is complete when every rank of its
+attempt has a copy of its piece held; a just-in-time round (saved by the survivors of a
+failure) when at least one survivor's piece is. The restart takes the newest complete round
+newer than the latest checkpoint on storage (a snapshot round before a just-in-time one at the
+same index), else storage. The restoring ranks check each copy's sha256 as they fetch it: a
+round with a piece of which no copy matches is found unusable then (`SnapshotTier.unusable`),
+and the next restart passes it over.
 
 Only the attempts of this driver's current lineage count: the attempt that ran last, and those
 before it back to the one that restored from storage. A round of an attempt that a restart from
@@ -18,11 +18,8 @@ driver starts from storage, as it always has.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-logger = logging.getLogger("ft_train")
 
 
 @dataclass(frozen=True)
@@ -30,7 +27,7 @@ class SnapshotRound:
     attempt_id: str
     index: int
     kind: str  # "snapshot" or "jit"
-    pieces: tuple[dict[str, Any], ...]  # every whole copy, by rank: holder, rank, sha256, ...
+    pieces: tuple[dict[str, Any], ...]  # every copy held, by rank: holder, rank, sha256, ...
 
     def spec(self) -> dict[str, Any]:
         """What each rank of the next group is started with (`RankSpec.snapshot`)."""
@@ -47,18 +44,11 @@ def complete_rounds(held: list[dict[str, Any]]) -> list[SnapshotRound]:
     for p in held:
         key = (p["attempt_id"], p["index"], p["kind"])
         by_round.setdefault(key, {}).setdefault(p["rank"], []).append(p)
-        if not p["ok"]:
-            logger.warning(
-                "ft-train: %s %d of rank %d is damaged on %s",
-                *(p["kind"], p["index"], p["rank"], p["holder"]),
-            )
     rounds = []
     for (attempt_id, index, kind), copies in by_round.items():
-        whole = {r: [p for p in ps if p["ok"]] for r, ps in copies.items()}
-        ranks = {r for r, ps in whole.items() if ps}  # those whose piece is held whole
         world = max(p["world_size"] for ps in copies.values() for p in ps)
-        if ranks == set(range(world)) or (kind == "jit" and ranks == set(copies)):
-            ordered = tuple(p for r in sorted(ranks) for p in whole[r])
+        if set(copies) == set(range(world)) or kind == "jit":
+            ordered = tuple(p for r in sorted(copies) for p in copies[r])
             rounds.append(SnapshotRound(attempt_id, index, kind, ordered))
     return sorted(rounds, key=lambda r: (r.index, r.kind == "snapshot"), reverse=True)
 

@@ -83,7 +83,7 @@ def _ask(client: Client, op: str, also: Collection[str], dead: set[str], **kwarg
 def held(
     client: Client, run: str, also: Collection[str] = (), dead: set[str] | None = None
 ) -> list[dict[str, Any]]:
-    """Every piece held for `run`, each checked against its sha256 by its holder."""
+    """Every piece held for `run`, a copy each."""
     answers = _ask(client, "describe", also, set() if dead is None else dead, run=run)
     return [p for answer in answers if isinstance(answer, (list, tuple)) for p in answer]
 

@@ -54,7 +54,7 @@ from ..storage.checkpoint_manager import checkpoint_dir_name
 from ..storage.fs import Storage
 from . import preemption
 from .journal import Journal
-from .snapshots import RankSnapshots, Saver
+from .snapshots import RankSnapshots, Saver, Snapshot
 from .uploads import Uploads
 
 
@@ -203,7 +203,7 @@ class Session:
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None = None,
         checkpoint_upload_mode: UploadMode = "sync",
-        snapshot: Saver | None = None,
+        snapshot: Snapshot | None = None,
     ) -> None:
         metrics = _jsonable(metrics)
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
@@ -388,12 +388,15 @@ def report(
     metrics: dict[str, Any],
     checkpoint: Checkpoint | None = None,
     checkpoint_upload_mode: UploadMode = "sync",
-    snapshot: Saver | None = None,
+    snapshot: Snapshot | None = None,
 ) -> None:
     """Report this step's metrics, optionally with a checkpoint. See the module docstring.
 
     `checkpoint_upload_mode`: "sync" uploads the checkpoint before report() returns; "async"
     snapshots its directory (hard links) and uploads it in the background, at most two at a
     time (report() waits beyond that). Either way the checkpoint is committed only once every
-    file of its round is stored. `snapshot`: see `ft_train.worker.snapshots`."""
+    file of its round is stored. `snapshot`: this rank's state for the in-memory tier, taken at
+    every `CheckpointConfig.snapshot_every`-th report: {file name: state}, copied at once and
+    saved with torch.save in the background, or a function save(directory) called in report()
+    (`ft_train.worker.snapshots`)."""
     _current().report(metrics, checkpoint, checkpoint_upload_mode, snapshot)

@@ -1,12 +1,22 @@
 """The rank's side of the in-memory snapshot tier: take a snapshot, send it to its holders in the
 background, save just in time when a peer fails, and restore a round.
 
-`report(..., snapshot=save)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
-calls `save(directory)`, packs what it wrote into one tar blob (its *piece* of the round) and
-returns; a thread sends the piece, with its sha256, to the rank's holders (its own nanny and a
-peer worker's, `driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at
-a time: the next snapshot waits for the previous send, so once report() returns at a snapshot
-round, the rank's piece of the round before is held (or a send failed, which is logged:
+`report(..., snapshot=...)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
+takes its *piece* of the round, one zip blob of files (stored, not compressed), in one of two
+ways:
+
+- `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
+  report() copies the tensors into buffers it keeps for the next snapshot (torch's
+  `DefaultStager`: a memcpy, a few ms for tens of MB) and returns; `torch.save` and the tar run
+  in the background, as in CheckFreq and Gemini. Where the state on one report is the same
+  tensors as on the last (a model's and an optimizer's), nothing is allocated again. Each file
+  is written into the zip as torch.save writes it: no copy beyond torch.save's own.
+- `snapshot=save`: report() calls `save(directory)` and packs what it wrote, before it returns.
+
+A thread sends the piece to the rank's holders (its own nanny and a peer
+worker's, `driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at a
+time: the next snapshot waits for the previous one to be sent, so once report() returns at a
+snapshot round, the rank's piece of the round before is held (or a send failed, which is logged:
 snapshots are a tier above the checkpoints on storage, never in place of them). A holder that
 failed a send is not sent to again by this rank: it is gone or silent, and each try would hold
 the next snapshot up to knobs.SNAPSHOT_SEND_TIMEOUT_S.
@@ -18,7 +28,7 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and matches its sha256, and unpacks them into one local directory
+copies that is still held and whole (each file's CRC-32, as packed), and unpacks them into one local directory
 (the lowest rank's file wins where two ranks wrote the same name): what `get_checkpoint()`
 returns, as from storage.
 """
@@ -30,9 +40,9 @@ import io
 import logging
 import os
 import shutil
-import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
@@ -40,14 +50,15 @@ from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
 from .journal import journal_root, run_key
-from .snapshot_store import digest
 
 if TYPE_CHECKING:
     from .session import RankSpec
 
 logger = logging.getLogger("ft_train")
 
+Buffer = bytes | memoryview  # a piece's blob
 Saver = Callable[[str], Any]  # save(directory): write this rank's state into it
+Snapshot = Mapping[str, Any] | Saver  # report(snapshot=...): {file name: state}, or a Saver
 
 
 def _scratch() -> str:
@@ -55,22 +66,52 @@ def _scratch() -> str:
     return os.path.dirname(journal_root())
 
 
-def pack(save: Saver) -> bytes:
-    """Call `save` into a fresh directory and return what it wrote as one tar blob."""
-    if not callable(save):
-        raise SessionError(
-            f"report(snapshot={save!r}) takes a function save(directory) that writes this rank's "
-            "state into the directory (called only at the reports a snapshot is taken)"
-        )
+def pack(save: Saver) -> memoryview:
+    """Call `save` into a fresh directory and return what it wrote as one zip blob."""
     d = tempfile.mkdtemp(prefix="ft-train-snapshot-", dir=_scratch())
     try:
         save(d)
         buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(d, arcname=".")
-        return buf.getvalue()
+        with zipfile.ZipFile(buf, "w") as z:
+            for root, _, names in os.walk(d):
+                for name in sorted(names):
+                    path = os.path.join(root, name)
+                    z.write(path, os.path.relpath(path, d))
+        return buf.getbuffer()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def pack_state(files: Mapping[str, Any]) -> memoryview:
+    """`torch.save` each file's state into one zip blob, as `pack` of a save that wrote them."""
+    import torch
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, state in files.items():
+            with z.open(name, "w", force_zip64=True) as f:
+                torch.save(state, f)
+    return buf.getbuffer()
+
+
+def check_snapshot(snapshot: Any) -> None:
+    """report(snapshot=...) is a mapping of plain file names, or a function save(directory)."""
+    if callable(snapshot):
+        return
+    if not isinstance(snapshot, Mapping):
+        raise SessionError(
+            f"report(snapshot={type(snapshot).__name__}): give {{file name: state}}, e.g. "
+            '{"rank0.pt": {"model": model.state_dict(), "optimizer": opt.state_dict()}}, or a '
+            "function save(directory) that writes this rank's state into the directory"
+        )
+    for name in snapshot:
+        if not isinstance(name, str) or not name or os.path.basename(name) != name:
+            raise SessionError(
+                f"report(snapshot={{{name!r}: ...}}): each key is a plain file name, such as "
+                "'rank0.pt' (no directory); the restore gives them in one directory"
+            )
+        if name in (".", ".."):
+            raise SessionError(f"report(snapshot={{{name!r}: ...}}): not a file name")
 
 
 class RankSnapshots:
@@ -85,6 +126,7 @@ class RankSnapshots:
         self.sent = self.failed = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None  # torch's DefaultStager: the copies' buffers, kept for the next
         self._restored: str | None = None
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
@@ -96,23 +138,57 @@ class RankSnapshots:
         every = spec.snapshot_every or 0
         return cls(run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holders, every)
 
-    def offer(self, save: Saver | None, index: int) -> None:
-        """report() `index` with `snapshot=save`: take a snapshot if one is due."""
-        if save is None or not self.holders or not self.every or index % self.every:
+    def offer(self, snapshot: Snapshot | None, index: int) -> None:
+        """report() `index` with `snapshot=...`: take a snapshot if one is due."""
+        if snapshot is None:
             return
-        blob = pack(save)
-        self.wait()  # one piece in flight: the previous one is held (or failed) before the next
+        check_snapshot(snapshot)
+        if not self.holders or not self.every or index % self.every:
+            return
+        if callable(snapshot):
+            blob = pack(snapshot)
+            self.wait()  # one piece in flight: the previous one is held (or failed) first
+            self._submit(self._send, blob, index, "snapshot")
+        else:
+            # and the buffers the previous piece was copied into are free again
+            if (error := self.wait()) is not None:
+                raise SessionError(
+                    f"report(snapshot=...): the snapshot of an earlier report could not be "
+                    f"saved with torch.save: {error!r}"
+                ) from error
+            self._submit(self._pack_and_send, self._stage(snapshot), index)
+
+    def _stage(self, files: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of `files` whose tensors are in this rank's buffers (CPU memory, pinned for a
+        GPU's), taken now: the training goes on changing the originals."""
+        if self._stager is None:
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(gpu, False, False, gpu))
+        return self._stager.stage(dict(files))
+
+    def _pack_and_send(self, files: dict[str, Any], index: int) -> None:
+        self._send(pack_state(files), index, "snapshot")
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
-        self._pending = self._executor.submit(self._send, blob, index, "snapshot")
+        self._pending = self._executor.submit(fn, *args)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> BaseException | None:
+        """Until the piece in flight is sent (or `timeout`); what packing it raised, if it did."""
+        error = None
         if self._pending is not None:
             try:
                 self._pending.result(timeout)
             except TimeoutError:
-                return  # still sending; a failing rank gives up on it
+                return None  # still sending; a failing rank gives up on it
+            except Exception as e:  # packing in the background failed
+                error = e
             self._pending = None
+        return error
 
     def jit(self, index: int) -> None:
         """This rank failed because a peer went away: save just in time, if the function opted
@@ -127,7 +203,7 @@ class RankSnapshots:
         self.wait(knobs.FAIL_FLUSH_S)
         self._send(blob, index, "jit", until_held=True)
 
-    def _send(self, blob: bytes, index: int, kind: str, until_held: bool = False) -> None:
+    def _send(self, blob: Buffer, index: int, kind: str, until_held: bool = False) -> None:
         """The piece to every holder at once; returns once each has answered, or with
         `until_held` once one holds it (the other sends go on)."""
         piece = {
@@ -136,7 +212,7 @@ class RankSnapshots:
             "index": index,
             "kind": kind,
             "world_size": self.world,
-            "sha256": digest(blob),
+            "size": len(blob),
         }
         loop = self._worker.loop.asyncio_loop  # tornado's AsyncIOLoop
         sends = [
@@ -146,7 +222,7 @@ class RankSnapshots:
             if done.result() and until_held:
                 return
 
-    async def _put(self, holder: str, piece: dict[str, Any], blob: bytes) -> bool:
+    async def _put(self, holder: str, piece: dict[str, Any], blob: Buffer) -> bool:
         """One copy of the piece to `holder` (on the worker's event loop): True once held."""
         from distributed.protocol import to_serialize
 
@@ -176,15 +252,16 @@ class RankSnapshots:
             out = tempfile.mkdtemp(prefix="ft-train-restored-")
             try:
                 for rank in sorted(copies, reverse=True):
-                    _unpack(self._fetch(snapshot, copies[rank]), out)
+                    with self._fetch(snapshot, copies[rank]) as piece:
+                        piece.extractall(out)  # zipfile keeps each name inside `out`
             except BaseException:
                 shutil.rmtree(out, ignore_errors=True)
                 raise
             self._restored = out
         return Checkpoint.from_directory(self._restored)
 
-    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> bytes:
-        """One rank's piece: the first of its copies still held and matching its sha256."""
+    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> zipfile.ZipFile:
+        """One rank's piece: the first of its copies still held and whole (`_whole`)."""
         why = []
         for piece in copies:
             key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
@@ -195,10 +272,11 @@ class RankSnapshots:
             status = answer.get("status") if isinstance(answer, dict) else repr(answer)
             if status != "OK":
                 why.append(f"{piece['holder']}: {status}")
-            elif digest(blob := bytes(answer["blob"])) != piece["sha256"]:
-                why.append(f"{piece['holder']}: the piece does not match its sha256")
-            else:
-                return blob
+                continue
+            try:
+                return _whole(answer["blob"])
+            except ValueError as e:
+                why.append(f"{piece['holder']}: {e}")
         where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
         raise CheckpointDamagedError(
             f"{where}: no copy of rank {copies[0]['rank']}'s piece is held whole "
@@ -209,13 +287,24 @@ class RankSnapshots:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._stager is not None:
+            self._stager.close()
         if self._restored is not None:
             shutil.rmtree(self._restored, ignore_errors=True)
 
 
-def _unpack(blob: bytes, out: str) -> None:
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(out, filter="data")
+def _whole(blob: Buffer) -> zipfile.ZipFile:
+    """The piece, once every file in it matches the CRC-32 it was packed with (zipfile's check,
+    a pass over the piece); ValueError where it does not, or is not a zip at all any more."""
+    try:
+        z = zipfile.ZipFile(io.BytesIO(blob))
+        bad = z.testzip()
+    except Exception as e:  # what a damaged archive raises: BadZipFile, struct.error, ...
+        raise ValueError(f"the piece is damaged ({type(e).__name__}: {e})") from e
+    if bad is not None:
+        z.close()
+        raise ValueError(f"the piece is damaged ({bad} does not match its CRC-32)")
+    return z
 
 
 def _this_worker() -> Any:
