@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -165,6 +166,8 @@ def _init_process_group(spec: RankSpec) -> None:
     import torch._dynamo  # noqa: F401  (the first DDP imports it: not in the watchdog's time)
     import torch.distributed as dist
 
+    if spec.rank != 0:
+        _await_store(spec.master_addr, spec.master_port, spec.collective_timeout_s)
     dist.init_process_group(
         spec.backend,
         init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
@@ -176,6 +179,22 @@ def _init_process_group(spec: RankSpec) -> None:
         store = dist.distributed_c10d._get_default_store()
         seen = host_devices(store, spec.node_rank, spec.local_rank, spec.local_world_size)
         torch.cuda.set_device(pick_device(spec.local_rank, seen, socket.gethostname()))
+
+
+def _await_store(host: str, port: int, timeout_s: float) -> None:
+    """Until rank 0's rendezvous store accepts connections (or `timeout_s`: then torch's own
+    connect reports what is wrong). torch's store client waits 0.3-0.5 s before it tries again
+    after a refused connection, which every restart paid where a rank started even 20 ms before
+    rank 0; a probe every 5 ms does not. The store does not count a probe as a rank."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=knobs.ANSWER_TIMEOUT_S).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.005)  # polling a port that is about to open, bounded by the deadline
 
 
 @contextlib.contextmanager

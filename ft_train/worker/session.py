@@ -189,6 +189,8 @@ class Session:
         self.agreements = 0  # started so far
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
         self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.worker.snapshots`)
+        if spec.snapshot is not None:  # a round to restore: fetched while the rank joins
+            self.snapshots.prefetch(spec.snapshot)
 
     def checkpoint(self) -> Checkpoint | None:
         s = self.spec

@@ -28,14 +28,16 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and whole (each file's CRC-32, as packed), and unpacks them into one local directory
-(the lowest rank's file wins where two ranks wrote the same name): what `get_checkpoint()`
-returns, as from storage.
+copies that is still held and whole (each file's CRC-32, as packed), and unpacks them into one
+local directory (the lowest rank's file wins where two ranks wrote the same name): what
+`get_checkpoint()` returns, as from storage. It starts as the rank does, on the snapshot
+thread, while the rank joins its group and builds its model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
@@ -127,7 +129,7 @@ class RankSnapshots:
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None  # torch's DefaultStager: the copies' buffers, kept for the next
-        self._restored: str | None = None
+        self._restoring: Future[str] | None = None  # the round to restore, being fetched
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
             self.holders = []  # not on a Dask worker: no tier
@@ -243,22 +245,33 @@ class RankSnapshots:
         )
         return False
 
+    def prefetch(self, snapshot: dict[str, Any]) -> None:
+        """Start fetching the round `snapshot` (the driver's choice) now, on the snapshot
+        thread, while the rank joins its group and builds its model."""
+        if self._restoring is None:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
+            self._restoring = self._executor.submit(self._restore, snapshot)
+
     def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
-        """The round `snapshot` (the driver's choice) in a local directory, fetched once."""
-        if self._restored is None:
-            copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
-            for piece in snapshot["pieces"]:
-                copies.setdefault(piece["rank"], []).append(piece)
-            out = tempfile.mkdtemp(prefix="ft-train-restored-")
-            try:
-                for rank in sorted(copies, reverse=True):
-                    with self._fetch(snapshot, copies[rank]) as piece:
-                        piece.extractall(out)  # zipfile keeps each name inside `out`
-            except BaseException:
-                shutil.rmtree(out, ignore_errors=True)
-                raise
-            self._restored = out
-        return Checkpoint.from_directory(self._restored)
+        """The round `snapshot` in a local directory, fetched once."""
+        self.prefetch(snapshot)
+        assert self._restoring is not None
+        return Checkpoint.from_directory(self._restoring.result())
+
+    def _restore(self, snapshot: dict[str, Any]) -> str:
+        copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
+        for piece in snapshot["pieces"]:
+            copies.setdefault(piece["rank"], []).append(piece)
+        out = tempfile.mkdtemp(prefix="ft-train-restored-")
+        try:
+            for rank in sorted(copies, reverse=True):
+                with self._fetch(snapshot, copies[rank]) as piece:
+                    piece.extractall(out)  # zipfile keeps each name inside `out`
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        return out
 
     def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> zipfile.ZipFile:
         """One rank's piece: the first of its copies still held and whole (`_whole`)."""
@@ -289,8 +302,10 @@ class RankSnapshots:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._stager is not None:
             self._stager.close()
-        if self._restored is not None:
-            shutil.rmtree(self._restored, ignore_errors=True)
+        if self._restoring is not None:
+            with contextlib.suppress(Exception):  # what it raised went to get_checkpoint()
+                # fetches are bounded (knobs.SNAPSHOT_SEND_TIMEOUT_S)
+                shutil.rmtree(self._restoring.result(), ignore_errors=True)
 
 
 def _whole(blob: Buffer) -> zipfile.ZipFile:
