@@ -1,7 +1,7 @@
 """Goodput under failures: ft-train and Ray Train V2 on the bench workload, faults on a timer.
 
     .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30]
-        [--checkpoint-every 60] [--snapshot-every-s 2] [--off-minutes 5]
+        [--checkpoint-every 60] [--snapshot-every-s 5] [--off-minutes 5]
         [--fault-free-minutes 2] [--systems ft-train,ray]
 
 One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`):
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=10, help="each run with faults (snapshots on)")
     p.add_argument("--fault-every", type=float, default=30, help="seconds between faults")
     p.add_argument("--checkpoint-every", type=float, default=60, help="seconds' worth of steps")
-    p.add_argument("--snapshot-every-s", type=float, default=2, help="seconds' worth of steps")
+    p.add_argument("--snapshot-every-s", type=float, default=5, help="seconds' worth of steps")
     p.add_argument("--off-minutes", type=float, default=5, help="ft-train, snapshots off; 0: none")
     p.add_argument("--fault-free-minutes", type=float, default=2)
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults' order, from " + str(KINDS))
