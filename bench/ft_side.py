@@ -208,6 +208,10 @@ class DaskCluster:
                 "--no-dashboard",
                 "--host",
                 "127.0.0.1",
+                "--preload-nanny",  # as docs/clusters.md starts a worker
+                "ft_train.worker.forkserver",
+                "--preload",
+                "ft_train.driver.cluster",
             ]
         )
 

@@ -12,6 +12,9 @@ HEADER = """\
 # Put this file in /etc/dask/ or ~/.config/dask/, or point DASK_CONFIG at it, on every host
 # before `dask scheduler` and `dask worker` start. It keeps Dask from re-running a rank, lets a
 # rank start processes, and stops the profiler and timers that take a rank's CPU.
+# `dask worker` ignores the preloads below: give them on its command line,
+#   dask worker ADDRESS --nthreads 1 --preload-nanny ft_train.worker.forkserver \
+#       --preload ft_train.driver.cluster
 """
 
 

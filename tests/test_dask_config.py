@@ -3,6 +3,7 @@
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,12 @@ from distributed import Client
 
 from ft_train.driver.dask_settings import DASK_SETTINGS, warn_if_not_in_force
 from ft_train.worker.rank import free_port
+from tests.helpers import wait_for
 
 REPO = str(Path(__file__).resolve().parents[1])
 DASK = str(Path(sys.executable).parent / "dask")
+# as docs/clusters.md starts a worker
+PRELOADS = ["--preload-nanny", "ft_train.worker.forkserver", "--preload", "ft_train.driver.cluster"]
 
 
 @contextlib.contextmanager
@@ -27,7 +31,8 @@ def cli_cluster(tmp_path, config_file: str | None):
     address = f"tcp://127.0.0.1:{port}"
     cmds = [
         [DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-        [DASK, "worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
+        [DASK, "worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"]
+        + (PRELOADS if config_file else []),
     ]
     log = open(tmp_path / "dask.log", "w")
     procs = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT) for c in cmds]
@@ -60,17 +65,31 @@ def test_a_cluster_started_with_the_file_runs_with_ft_trains_settings(tmp_path, 
             },
             "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")},
             "profiling": dask_worker is not None and "profile" in dask_worker.periodic_callbacks,
+            # forked from a server that imported torch before the worker began (not the nanny)
+            "parent_has_torch": "libtorch" in open(f"/proc/{os.getppid()}/maps").read(),
         }
+
+    def nanny_status(dask_worker) -> str:  # run on a nanny (Client.run(..., nanny=True))
+        return dask_worker.status.name
 
     with cli_cluster(tmp_path, str(path)) as c:
         (worker,) = c.run(seen).values()
         scheduler = c.run_on_scheduler(seen)
         warn_if_not_in_force(c)
+        # a worker that replaces a lost one starts with torch imported, as the first did
+        (address,) = c.scheduler_info()["workers"]
+        # a nanny whose worker dies before the nanny's own start is done gives up (Dask's way)
+        wait_for(lambda: list(c.run(nanny_status, nanny=True).values()) == ["running"], 30, "nanny")
+        os.kill(c.run(os.getpid)[address], signal.SIGKILL)
+        wait_for(lambda: set(c.scheduler_info()["workers"]) - {address}, 60, "a new worker")
+        (replacement,) = c.run(seen).values()
     want = {k: v for k, v in DASK_SETTINGS.items() if k in worker["config"]}
     assert worker["config"] == want and scheduler["config"] == want
     assert scheduler["config"]["distributed.scheduler.allowed-failures"] == 0
     assert worker["env"] == {"MALLOC_ARENA_MAX": "1", "MALLOC_TRIM_THRESHOLD_": None}
     assert worker["profiling"] is False
+    assert worker["parent_has_torch"] and replacement["parent_has_torch"]
+    assert replacement["env"] == worker["env"]
     assert not [r for r in caplog.records if "ft-train" in r.getMessage()]
 
 

@@ -243,6 +243,7 @@ def test_a_slurm_cluster_class_builds_its_job_script_without_slurm(caplog):
         "--nanny",
         "--resources GPU=1",
         "--lifetime 230m --lifetime-stagger 4m",
+        "--preload-nanny ft_train.worker.forkserver --preload ft_train.driver.cluster",
         settings["address"],
     ):
         assert line in script, script
@@ -267,6 +268,10 @@ SLURM = {
         "230m",
         "--lifetime-stagger",
         "4m",
+        "--preload-nanny",  # torch in the fork server the worker processes start from
+        "ft_train.worker.forkserver",
+        "--preload",
+        "ft_train.driver.cluster",
     ],
     "scheduler_options": {"host": "127.0.0.1", "dashboard_address": None},
 }

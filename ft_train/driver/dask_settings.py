@@ -55,13 +55,26 @@ DASK_SETTINGS = {
 }
 
 
+# For a cluster ft-train does not start: a nanny starts each worker process from a fork server,
+# as ft-train's own local clusters do (`driver.cluster`). `dask worker` ignores the preloads of
+# the config, so its command line names them too (docs/clusters.md):
+# --preload-nanny ft_train.worker.forkserver (torch in the fork server) and
+# --preload ft_train.driver.cluster (a rank's DataLoader processes fork from it).
+EXTERNAL_SETTINGS = {
+    "distributed.worker.multiprocessing-method": "forkserver",
+    "distributed.nanny.preload": ["ft_train.worker.forkserver"],
+    "distributed.worker.preload": ["ft_train.driver.cluster"],
+}
+
+
 def dask_config() -> dict:
-    """DASK_SETTINGS as a nested Dask config (what `ft-train dask-config` writes as YAML), for a
-    scheduler and workers that ft-train does not start: they read it from a file in DASK_CONFIG
-    or /etc/dask. Environment variables cannot carry the nanny's pre-spawn-environ (Dask
-    lower-cases their keys)."""
+    """DASK_SETTINGS and EXTERNAL_SETTINGS as a nested Dask config (what `ft-train dask-config`
+    writes as YAML), for a scheduler and workers that ft-train does not start: they read it from
+    a file in DASK_CONFIG or /etc/dask. Environment variables cannot carry the nanny's
+    pre-spawn-environ (Dask lower-cases their keys)."""
     config: dict = {}
-    dask.config.set(DASK_SETTINGS, config=config)  # writes into `config`, not Dask's own
+    # writes into `config`, not Dask's own
+    dask.config.set({**DASK_SETTINGS, **EXTERNAL_SETTINGS}, config=config)
     return config
 
 

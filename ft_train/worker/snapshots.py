@@ -7,14 +7,14 @@ ways:
 
 - `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
   report() copies the tensors into buffers it keeps for the next snapshot (torch's
-  `DefaultStager`: a memcpy, a few ms for tens of MB) and returns; `torch.save` and the tar run
+  `DefaultStager`: a memcpy, a few ms for tens of MB) and returns; `torch.save` and the zip run
   in the background, as in CheckFreq and Gemini. Where the state on one report is the same
   tensors as on the last (a model's and an optimizer's), nothing is allocated again. Each file
   is written into the zip as torch.save writes it: no copy beyond torch.save's own.
 - `snapshot=save`: report() calls `save(directory)` and packs what it wrote, before it returns.
 
-A thread sends the piece to the rank's holders (its own nanny and a peer
-worker's, `driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at a
+A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
+`driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at a
 time: the next snapshot waits for the previous one to be sent, so once report() returns at a
 snapshot round, the rank's piece of the round before is held (or a send failed, which is logged:
 snapshots are a tier above the checkpoints on storage, never in place of them). A holder that
@@ -175,9 +175,13 @@ class RankSnapshots:
         self._send(pack_state(files), index, "snapshot")
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._pending = self._thread().submit(fn, *args)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        """The snapshot thread: packs and sends each piece, and fetches the round to restore."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
-        self._pending = self._executor.submit(fn, *args)
+        return self._executor
 
     def wait(self, timeout: float | None = None) -> BaseException | None:
         """Until the piece in flight is sent (or `timeout`); what packing it raised, if it did."""
@@ -249,9 +253,7 @@ class RankSnapshots:
         """Start fetching the round `snapshot` (the driver's choice) now, on the snapshot
         thread, while the rank joins its group and builds its model."""
         if self._restoring is None:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
-            self._restoring = self._executor.submit(self._restore, snapshot)
+            self._restoring = self._thread().submit(self._restore, snapshot)
 
     def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
         """The round `snapshot` in a local directory, fetched once."""
