@@ -57,25 +57,25 @@ def free_ports(client: Client, addrs: list[str]) -> dict[str, int]:
 
 def await_workers(
     client: Client, plan: GroupPlan, exclude: set[str]
-) -> tuple[list[str], dict[str, int]]:
-    """The workers for a new group, in rank order, and a free port on each (rank 0's is the
-    rendezvous): `max_workers` if they are there within `elastic_wait_s`, else as many as there
-    are once at least `min_workers` are; waits up to `start_timeout_s` for `min_workers`. Only
-    workers that answer count: a frozen one given a rank would hold the others' rendezvous until
-    the scheduler drops it (worker-ttl)."""
+) -> tuple[list[str], dict[str, int], dict[str, Any]]:
+    """The workers for a new group, in rank order, a free port on each (rank 0's is the
+    rendezvous), and the scheduler's word on every worker when they were chosen (the group
+    needs theirs: one may be gone by the time it asks again): `max_workers` if they are there
+    within `elastic_wait_s`, else as many as there are once at least `min_workers` are; waits up
+    to `start_timeout_s` for `min_workers`. Only workers that answer count: a frozen one given a
+    rank would hold the others' rendezvous until the scheduler drops it (worker-ttl)."""
     start, warned = time.monotonic(), set[str]()
     sizes = (plan.min_workers, plan.max_workers, plan.elastic_wait_s)
     while True:
-        usable = _rank_of(
-            _usable(client.scheduler_info(n_workers=-1)["workers"], plan.use_gpu, exclude)
-        )
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        usable = _rank_of(_usable(workers, plan.use_gpu, exclude))
         waited = time.monotonic() - start
         ready, silent = usable, []
         if enough(len(usable), waited, *sizes):
             ports = free_ports(client, usable)
             ready = [a for a in usable if a in ports]
             if enough(len(ready), waited, *sizes):
-                return ready[: plan.max_workers], ports
+                return ready[: plan.max_workers], ports, workers
             silent = [a for a in usable if a not in ports]
             if set(silent) - warned:
                 logger.warning("ft-train: workers %s do not answer; waiting for others", silent)

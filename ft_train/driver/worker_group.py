@@ -72,8 +72,7 @@ class WorkerGroup:
         self.dead_holders: set[str] = set()  # snapshot holders gone or silent (the cluster's set)
 
     def place(self, plan: GroupPlan, exclude: set[str]) -> None:
-        self.addresses, self._ports = await_workers(self.client, plan, exclude)
-        self._info = self.client.scheduler_info(n_workers=-1)["workers"]
+        self.addresses, self._ports, self._info = await_workers(self.client, plan, exclude)
 
     def start(
         self,

@@ -189,8 +189,6 @@ class Session:
         self.agreements = 0  # started so far
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
         self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.worker.snapshots`)
-        if spec.snapshot is not None:  # a round to restore: fetched while the rank joins
-            self.snapshots.prefetch(spec.snapshot)
 
     def checkpoint(self) -> Checkpoint | None:
         s = self.spec
@@ -397,8 +395,6 @@ def report(
     `checkpoint_upload_mode`: "sync" uploads the checkpoint before report() returns; "async"
     snapshots its directory (hard links) and uploads it in the background, at most two at a
     time (report() waits beyond that). Either way the checkpoint is committed only once every
-    file of its round is stored. `snapshot`: this rank's state for the in-memory tier, taken at
-    every `CheckpointConfig.snapshot_every`-th report: {file name: state}, copied at once and
-    saved with torch.save in the background, or a function save(directory) called in report()
-    (`ft_train.worker.snapshots`)."""
+    file of its round is stored. `snapshot`: {file name: state} or save(directory), for the
+    in-memory tier every `snapshot_every` reports (`ft_train.worker.snapshots`)."""
     _current().report(metrics, checkpoint, checkpoint_upload_mode, snapshot)

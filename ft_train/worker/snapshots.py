@@ -138,7 +138,11 @@ class RankSnapshots:
     def of(cls, spec: RankSpec) -> RankSnapshots:
         run = run_key(spec.storage.uri(spec.name))
         every = spec.snapshot_every or 0
-        return cls(run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holders, every)
+        snapshots = cls(
+            run, spec.attempt_id, spec.rank, spec.world_size, spec.snapshot_holders, every
+        )
+        snapshots.prefetch(spec.snapshot)  # a round to restore: fetched as the rank joins
+        return snapshots
 
     def offer(self, snapshot: Snapshot | None, index: int) -> None:
         """report() `index` with `snapshot=...`: take a snapshot if one is due."""
@@ -249,10 +253,10 @@ class RankSnapshots:
         )
         return False
 
-    def prefetch(self, snapshot: dict[str, Any]) -> None:
-        """Start fetching the round `snapshot` (the driver's choice) now, on the snapshot
-        thread, while the rank joins its group and builds its model."""
-        if self._restoring is None:
+    def prefetch(self, snapshot: dict[str, Any] | None) -> None:
+        """Start fetching the round `snapshot` (the driver's choice; None: none) now, on the
+        snapshot thread, while the rank joins its group and builds its model."""
+        if snapshot is not None and self._restoring is None:
             self._restoring = self._thread().submit(self._restore, snapshot)
 
     def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
