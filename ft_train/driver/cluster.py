@@ -31,6 +31,7 @@ from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 from .. import knobs
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
+from ..worker.warm import TORCH
 from .dask_settings import DASK_SETTINGS
 from .user_cluster import check_scheduler as check_scheduler  # where flows/ find it
 from .user_cluster import load_cluster_class, user_client
@@ -39,7 +40,7 @@ logger = logging.getLogger("ft_train")
 
 # What the fork server imports before it forks workers: what a rank needs (torch._dynamo is
 # imported by the first DistributedDataParallel, about a second).
-FORKSERVER_PRELOAD = ["distributed", "torch", "torch.distributed", "torch._dynamo"]
+FORKSERVER_PRELOAD = ["distributed", *TORCH]
 
 _forkserver_env: dict[str, str] | None = None  # the environment our fork server started in
 _forkserver_lock = threading.Lock()
