@@ -14,10 +14,10 @@ cluster with one spare node, with `max_failures=-1`, and checkpoint to local sto
 Faults come from outside the ranks (`Injector`, a thread in the measuring process), one every
 `--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
 in a rank (a file the loop looks for before every step), and the loss of a rank's node (its
-parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, and a new
-node started at once). A fault that falls due while the group is restarting waits for the
-group's first step. At the end the injector writes the last step to train, a little past the
-step reached, and the run ends there.
+parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, with the
+nanny's fork server where the rank was forked from one; and a new node started at once). A fault
+that falls due while the group is restarting waits for the group's first step. At the end the
+injector writes the last step to train, a little past the step reached, and the run ends there.
 
 Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
 the same system's fault-free steps/s; per fault, steps lost = the step reached before the
@@ -29,6 +29,7 @@ figures["goodput"]; the steps over time go to bench/goodput.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -118,13 +119,6 @@ class _Log:
         )
 
 
-def _parent(pid: int) -> tuple[int, str]:
-    with open(f"/proc/{pid}/stat") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    with open(f"/proc/{ppid}/cmdline", "rb") as f:
-        return ppid, f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
-
-
 class Injector:
     """A thread that injects a fault every `p["fault_every_s"]` (0: none) from the first step,
     then, `p["duration_s"]` after the first step, tells the ranks where to stop. `replace_node`
@@ -180,9 +174,13 @@ class Injector:
             elif kind == "kill":
                 os.kill(pid, signal.SIGKILL)
             else:
-                parent, rec["parent"] = _parent(pid)
-                os.kill(parent, signal.SIGKILL)
-                os.kill(pid, signal.SIGKILL)
+                from bench.workload import node_processes  # in the flow's process: torch is in
+
+                (node, *rest), rec["parent"] = node_processes(pid)
+                os.kill(node, signal.SIGKILL)
+                for p in rest:  # a fork server may be gone already, once its nanny is
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError) as e:  # gone already: recorded, not hidden
             rec["error"] = repr(e)
         self.faults.append(rec)

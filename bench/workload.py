@@ -143,8 +143,8 @@ def serialise_s(state: dict, repeat: int = 2) -> float:
 
 
 def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
-    """The fault points: "kill" SIGKILLs this rank's process; "node" SIGKILLs its parent (the
-    Dask nanny / the Ray raylet of its node) and then itself. Each fires once (a marker file),
+    """The fault points: "kill" SIGKILLs this rank's process; "node" SIGKILLs its node
+    (`node_processes`: the Dask nanny / the Ray raylet) and then itself. Each fires once (a marker file),
     after the latest checkpoint is committed (its step is `step - 2`)."""
     for f in config.get("faults", ()):
         if f["rank"] != rank or f["step"] != step:
@@ -156,13 +156,32 @@ def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
         every = config.get("checkpoint_every", 0)
         if every:
             api.wait_committed(config, (step - 1) // every * every)
-        ppid = os.getppid()
-        with open(f"/proc/{ppid}/cmdline", "rb") as fh:  # which process a "node" kill takes down
-            parent = fh.read().replace(b"\0", b" ").decode(errors="replace")[:120]
-        ev.emit("kill", kind=f["kind"], step=step, pid=os.getpid(), ppid=ppid, parent=parent)
+        node, parent = node_processes(os.getpid())  # which processes a "node" kill takes down
+        ev.emit("kill", kind=f["kind"], step=step, pid=os.getpid(), ppid=node[0], parent=parent)
         if f["kind"] == "node":
-            os.kill(os.getppid(), signal.SIGKILL)
+            for p in node[:-1]:
+                with contextlib.suppress(ProcessLookupError):  # a fork server ends with its nanny
+                    os.kill(p, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parent(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        return ppid, f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+
+
+def node_processes(pid: int) -> tuple[list[int], str]:
+    """The processes whose loss is the loss of rank `pid`'s node, the rank's last, and the node's
+    own process's command line: the rank's parent (Ray's raylet, a Dask nanny); where that parent
+    is a nanny's fork server, the nanny and the server. Killing the server alone would leave the
+    nanny to start a new server and worker, on a node that was meant to be gone."""
+    parent, cmd = _parent(pid)
+    if "multiprocessing.forkserver" not in cmd:
+        return [parent, pid], cmd
+    nanny, cmd = _parent(parent)
+    return [nanny, parent, pid], cmd
 
 
 def _control(control: str, rank: int, step: int, stop_at: int | None, ev: Events) -> int | None:

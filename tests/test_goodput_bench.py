@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from bench import goodput
@@ -133,6 +135,45 @@ def test_the_injector_kills_waits_for_the_restart_then_raises_and_stops(tmp_path
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait()
+        for e in log:
+            if e.fd is not None:
+                os.close(e.fd)
+
+
+NODE = """
+import multiprocessing, time
+if __name__ == "__main__":
+    child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_node_fault_kills_the_nanny_its_fork_server_and_the_rank(tmp_path):
+    # A Dask nanny's worker forks from the nanny's fork server: the rank's parent is the server.
+    # Killing the server alone would leave the nanny to start another server and worker.
+    control, path = tmp_path / "control", str(tmp_path / "events.jsonl")
+    control.mkdir()
+    cfg = {"events": path, "control": str(control)}
+    nanny = subprocess.Popen([sys.executable, "-c", NODE], stdout=subprocess.PIPE, text=True)
+    rank = int(nanny.stdout.readline())  # type: ignore[union-attr]
+    server = psutil.Process(rank).ppid()
+    assert psutil.Process(server).ppid() == nanny.pid
+    log, replaced = [Events(path, "test", r) for r in range(2)], []
+    try:
+        p = {"duration_s": 0.6, "fault_every_s": 0.2, "kinds": ("node",)}
+        with goodput.Injector(cfg, p, replace_node=lambda: replaced.append(1)) as injector:
+            for r, pid in enumerate([os.getpid(), rank]):  # the fault is rank 1's
+                log[r].emit("start", pid=pid)
+                log[r].emit("step", step=1)
+            assert nanny.wait(timeout=10) == -9
+            wait_for(lambda: not psutil.pid_exists(server) and not psutil.pid_exists(rank), 10, "")
+        (fault,) = injector.faults
+        assert fault["kind"] == "node" and "error" not in fault and replaced == [1]
+    finally:
+        nanny.kill()
+        nanny.wait()
         for e in log:
             if e.fd is not None:
                 os.close(e.fd)
