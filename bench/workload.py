@@ -144,8 +144,8 @@ def serialise_s(state: dict, repeat: int = 2) -> float:
 
 def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
     """The fault points: "kill" SIGKILLs this rank's process; "node" SIGKILLs its node
-    (`node_processes`: the Dask nanny / the Ray raylet) and then itself. Each fires once (a marker file),
-    after the latest checkpoint is committed (its step is `step - 2`)."""
+    (`node_processes`: the Dask nanny / the Ray raylet) and then itself. Each fires once (a
+    marker file), after the latest checkpoint is committed (its step is `step - 2`)."""
     for f in config.get("faults", ()):
         if f["rank"] != rank or f["step"] != step:
             continue

@@ -150,6 +150,13 @@ if __name__ == "__main__":
 """
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_a_node_fault_kills_the_nanny_its_fork_server_and_the_rank(tmp_path):
     # A Dask nanny's worker forks from the nanny's fork server: the rank's parent is the server.
     # Killing the server alone would leave the nanny to start another server and worker.
@@ -168,7 +175,7 @@ def test_a_node_fault_kills_the_nanny_its_fork_server_and_the_rank(tmp_path):
                 log[r].emit("start", pid=pid)
                 log[r].emit("step", step=1)
             assert nanny.wait(timeout=10) == -9
-            wait_for(lambda: not psutil.pid_exists(server) and not psutil.pid_exists(rank), 10, "")
+            wait_for(lambda: _gone(server) and _gone(rank), 10, "the server and the rank to die")
         (fault,) = injector.faults
         assert fault["kind"] == "node" and "error" not in fault and replaced == [1]
     finally:
