@@ -29,7 +29,6 @@ figures["goodput"]; the steps over time go to bench/goodput.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -174,13 +173,10 @@ class Injector:
             elif kind == "kill":
                 os.kill(pid, signal.SIGKILL)
             else:
-                from bench.workload import node_processes  # in the flow's process: torch is in
+                from bench.workload import kill_node, node_processes  # torch is in already
 
-                (node, *rest), rec["parent"] = node_processes(pid)
-                os.kill(node, signal.SIGKILL)
-                for p in rest:  # a fork server may be gone already, once its nanny is
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p, signal.SIGKILL)
+                procs, rec["parent"] = node_processes(pid)
+                kill_node(procs)
         except (ProcessLookupError, FileNotFoundError) as e:  # gone already: recorded, not hidden
             rec["error"] = repr(e)
         self.faults.append(rec)

@@ -159,9 +159,7 @@ def _fault(config: dict, api: Api, rank: int, step: int, ev: Events) -> None:
         node, parent = node_processes(os.getpid())  # which processes a "node" kill takes down
         ev.emit("kill", kind=f["kind"], step=step, pid=os.getpid(), ppid=node[0], parent=parent)
         if f["kind"] == "node":
-            for p in node[:-1]:
-                with contextlib.suppress(ProcessLookupError):  # a fork server ends with its nanny
-                    os.kill(p, signal.SIGKILL)
+            kill_node(node)  # this process last
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -182,6 +180,15 @@ def node_processes(pid: int) -> tuple[list[int], str]:
         return [parent, pid], cmd
     nanny, cmd = _parent(parent)
     return [nanny, parent, pid], cmd
+
+
+def kill_node(procs: list[int]) -> None:
+    """SIGKILL `node_processes`' list, in its order: ProcessLookupError if the node's own process
+    is gone already; a fork server gone by then (it ends with its nanny) is passed over."""
+    os.kill(procs[0], signal.SIGKILL)
+    for p in procs[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _control(control: str, rank: int, step: int, stop_at: int | None, ev: Events) -> int | None:
