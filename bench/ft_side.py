@@ -184,20 +184,21 @@ class DaskCluster:
         self.procs: list[subprocess.Popen] = []
         self.address = ""
 
-    def _start(self, args: list[str]) -> None:
-        self.procs.append(
-            subprocess.Popen(
-                [self.dask, *args],
-                env=self.env,
-                stdout=self.log,
-                stderr=self.log,
-                start_new_session=True,
-            )
-        )
+    def _start(self, args: list[str], new_node: bool = False) -> dict | None:
+        """Start `dask *args`; `new_node`: as `bench.goodput.start_node` starts a node in place
+        of a lost one, and what it says of it."""
+        from bench.goodput import start_node
 
-    def add_worker(self) -> None:
-        """Start one more worker (a new node joining); it joins in the background."""
-        self._start(
+        cmd = [self.dask, *args]
+        kw = dict(env=self.env, stdout=self.log, stderr=self.log, start_new_session=True)
+        proc, record = start_node(cmd, **kw) if new_node else (subprocess.Popen(cmd, **kw), None)
+        self.procs.append(proc)
+        return record
+
+    def add_worker(self, new_node: bool = False) -> dict | None:
+        """Start one more worker (a node joining, `new_node`: in place of a lost one); it joins
+        in the background."""
+        return self._start(
             [
                 "worker",
                 self.address,
@@ -212,7 +213,8 @@ class DaskCluster:
                 "ft_train.worker.forkserver",
                 "--preload",
                 "ft_train.driver.cluster",
-            ]
+            ],
+            new_node,
         )
 
     def close(self) -> None:
@@ -391,7 +393,7 @@ def goodput(p: dict) -> dict:
 
     cfg = loop_config(p, report_every=1)
     with dask_cluster(p["workdir"], 3) as cluster:
-        with Injector(cfg, p, replace_node=cluster.add_worker) as injector:
+        with Injector(cfg, p, replace_node=lambda: cluster.add_worker(new_node=True)) as injector:
             run = call_flow(
                 "goodput",
                 cfg,

@@ -15,9 +15,10 @@ Faults come from outside the ranks (`Injector`, a thread in the measuring proces
 `--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
 in a rank (a file the loop looks for before every step), and the loss of a rank's node (its
 parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, with the
-nanny's fork server where the rank was forked from one; and a new node started at once). A fault
-that falls due while the group is restarting waits for the group's first step. At the end the
-injector writes the last step to train, a little past the step reached, and the run ends there.
+nanny's fork server where the rank was forked from one; and a new node started at once, at the
+least CPU weight while it starts: `start_node`). A fault that falls due while the group is
+restarting waits for the group's first step. At the end the injector writes the last step to
+train, a little past the step reached, and the run ends there.
 
 Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
 the same system's fault-free steps/s; per fault, steps lost = the step reached before the
@@ -29,11 +30,13 @@ figures["goodput"]; the steps over time go to bench/goodput.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -121,9 +124,10 @@ class _Log:
 class Injector:
     """A thread that injects a fault every `p["fault_every_s"]` (0: none) from the first step,
     then, `p["duration_s"]` after the first step, tells the ranks where to stop. `replace_node`
-    starts a new node after a node is lost. `faults`: what it did, each with its time."""
+    starts a new node after a node is lost (and says how: `start_node`). `faults`: what it did,
+    each with its time."""
 
-    def __init__(self, cfg: dict, p: dict, replace_node: Callable[[], None]):
+    def __init__(self, cfg: dict, p: dict, replace_node: Callable[[], dict | None]):
         self.cfg, self.replace_node = cfg, replace_node
         self.every_s, self.duration_s = p.get("fault_every_s", 0), p["duration_s"]
         self.kinds = p.get("kinds", KINDS)
@@ -181,7 +185,7 @@ class Injector:
             rec["error"] = repr(e)
         self.faults.append(rec)
         if kind == "node":
-            self.replace_node()
+            rec["new_node"] = self.replace_node()
         return rec["t"]
 
     def _stop(self, step: int) -> None:
@@ -189,6 +193,79 @@ class Injector:
         with open(path + ".tmp", "w") as f:
             f.write(str(step))
         os.replace(path + ".tmp", path)  # a rank reads all of it or nothing
+
+
+# -- the new node ----------------------------------------------------------------------------
+
+CGROUP_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, where root may make groups
+LOW_SHARES = 2  # the least CPU weight; every other process's group has 1024
+LOW_MAX_S = 20.0  # the longest a new node stays at that weight
+IDLE = 0.1  # cores: below this for a second, the new node has started
+
+
+def start_node(cmd: list[str], **popen: Any) -> tuple[subprocess.Popen, dict]:
+    """Start a new node in place of a lost one: `cmd`, with Popen's `popen`. On a cluster the
+    new node starts on a machine of its own; here it shares the ranks' two cores, and its
+    start (a Dask nanny's fork server importing torch; Ray's raylet and workers) took some
+    3.5 s of their CPU after every node fault. So, where this process may make a cgroup, the
+    node and every process it starts run in one with the least CPU weight until they are idle
+    (under IDLE cores for a second) or LOW_MAX_S has passed, then in the root group again, as a
+    node that started elsewhere and then joined. Both systems' new nodes start so. Returns the
+    process, and a record that says how long the node ran at that weight, once it is known."""
+    record: dict[str, Any] = {"low_weight": False}
+    group = os.path.join(CGROUP_CPU, f"bench-new-node-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.mkdir(group)
+        with open(os.path.join(group, "cpu.shares"), "w") as f:
+            f.write(str(LOW_SHARES))
+    except OSError as e:  # no writable cgroup here: the node starts beside the ranks
+        record["why_not"] = repr(e)
+        return subprocess.Popen(cmd, **popen), record
+    # the shell joins the group before it runs the node, so no process of it starts outside
+    join = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
+    proc = subprocess.Popen(["sh", "-c", join, "sh", group, *cmd], **popen)
+    record["low_weight"] = True
+    threading.Thread(target=_release, args=(group, record), daemon=True).start()
+    return proc, record
+
+
+def _release(group: str, record: dict) -> None:
+    """Move the group's processes back to the root group once they are idle, then remove it."""
+    t0 = time.monotonic()
+    last, t_last = _cpu_s(group), t0
+    while time.monotonic() < t0 + LOW_MAX_S:
+        time.sleep(1)
+        now, t = _cpu_s(group), time.monotonic()
+        if t - t0 >= 2 and now - last < IDLE * (t - t_last):
+            break
+        last, t_last = now, t
+    low_s, cpu_s = round(time.monotonic() - t0, 1), round(_cpu_s(group), 2)
+    for _ in range(10):  # again, for a process started meanwhile
+        if not (pids := _pids(group)):
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                with open(os.path.join(CGROUP_CPU, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+    with contextlib.suppress(OSError):
+        os.rmdir(group)
+    record.update(low_weight_s=low_s, cpu_s_at_low_weight=cpu_s)
+
+
+def _pids(group: str) -> list[int]:
+    with open(os.path.join(group, "cgroup.procs")) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _cpu_s(group: str) -> float:
+    """The CPU seconds that the group's processes have used."""
+    ticks = 0
+    for pid in _pids(group):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # -- figures from the event log --------------------------------------------------------------
@@ -281,7 +358,7 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
         {
             **{k: f[k] for k in ("kind", "rank") if k in f},
             "t_s": round(f["t"] - t1, 2),
-            **({"error": f["error"]} if "error" in f else {}),
+            **{k: f[k] for k in ("error", "new_node") if k in f},
             **fault_figures(events, f["t"]),
         }
         for f in faults

@@ -208,12 +208,13 @@ def goodput(p: dict) -> dict:
     works only on the main thread, which fit() holds). Reports only with checkpoints: a Ray
     report() costs up to its controller's 2 s poll once its one-slot queue is full."""
     from bench.goodput import Injector, loop_config
+    from bench.goodput import start_node as start_node_as_new
 
     cfg = loop_config(p, report_every=0)
     joined: list[subprocess.Popen] = []
     log = open(os.path.join(p["workdir"], "ray-start.log"), "ab")
 
-    def start_node() -> None:
+    def start_node() -> dict:
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
         args = [
             f"--address={cluster.address}",
@@ -222,7 +223,9 @@ def goodput(p: dict) -> dict:
         ]
         # --block: the node's processes stay in the group started here, and go with it
         cmd = [ray, "start", *args, "--block"]
-        joined.append(subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True))
+        proc, record = start_node_as_new(cmd, stdout=log, stderr=log, start_new_session=True)
+        joined.append(proc)
+        return record
 
     try:
         with ray_nodes(3) as cluster:

@@ -184,3 +184,35 @@ def test_a_node_fault_kills_the_nanny_its_fork_server_and_the_rank(tmp_path):
         for e in log:
             if e.fd is not None:
                 os.close(e.fd)
+
+
+def _group(pid: int) -> str:
+    """The process's cgroup in the v1 cpu hierarchy."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return next(line.split(":")[2].strip() for line in f if line.split(":")[1] == "cpu")
+
+
+def test_a_new_node_starts_at_the_least_cpu_weight_until_it_is_idle():
+    # It stands in for a node that starts on a machine of its own: busy 1.5 s, then idle.
+    try:
+        os.rmdir(probe := os.path.join(goodput.CGROUP_CPU, f"probe-{os.getpid()}"))
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        pytest.skip(f"no cgroup can be made in {goodput.CGROUP_CPU} here ({e!r})")
+    busy = "import time\nt = time.time()\nwhile time.time() < t + 1.5: pass\ntime.sleep(30)"
+    proc, record = goodput.start_node([sys.executable, "-c", busy])
+    try:
+        wait_for(lambda: _group(proc.pid) != "/", 5, "the node to join its group")
+        group = os.path.join(goodput.CGROUP_CPU, _group(proc.pid).lstrip("/"))
+        with open(os.path.join(group, "cpu.shares")) as f:
+            assert int(f.read()) == goodput.LOW_SHARES
+        wait_for(lambda: "low_weight_s" in record, 15, "the node to go back to the root group")
+        assert _group(proc.pid) == "/" and not os.path.exists(group)
+        assert 2 <= record["low_weight_s"] < 8 and record["cpu_s_at_low_weight"] >= 1
+    finally:
+        proc.kill()
+        proc.wait()
