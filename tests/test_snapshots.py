@@ -12,12 +12,10 @@ weights bit for bit against a run without faults.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
 import threading
-import zipfile
 
 import pytest
 import torch
@@ -26,9 +24,10 @@ import ft_train
 from ft_train.controller.snapshots import SnapshotTier, complete_rounds
 from ft_train.driver import snapshot_holders
 from ft_train.errors import CheckpointDamagedError, SessionError
-from ft_train.worker import snapshot_store
+from ft_train.worker import flat_state, snapshot_store
 from ft_train.worker.journal import run_key
 from ft_train.worker.snapshots import RankSnapshots, pack
+from ft_train.worker.snapshots import _whole as whole
 from tests.conftest import StorageTarget
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
 from tests.test_chaos import ExternalCluster
@@ -413,10 +412,11 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
             client.submit(restore, pieces[:3], pure=False).result()
 
 
-def test_a_state_snapshot_is_copied_in_report_and_saved_in_the_background(tmp_path):
+def test_a_state_snapshot_is_copied_in_report_and_sent_in_the_background(tmp_path):
     # report(snapshot={file: state}) returns once the tensors are copied; the training changes
-    # them at once, while torch.save runs on another thread: the held piece is the state of the
-    # report. A state torch.save cannot take fails the rank's next snapshot, by name.
+    # them at once, while the piece is sealed and sent on another thread: the held piece is the
+    # state of the report. A sparse tensor goes through torch.save instead; a state that
+    # torch.save cannot take fails its report, by name.
     from distributed import Client, LocalCluster, get_worker
 
     run = "staged-" + tmp_path.name
@@ -428,10 +428,11 @@ def test_a_state_snapshot_is_copied_in_report_and_saved_in_the_background(tmp_pa
             for index in (1, 2):
                 weight.fill_(index)
                 snapshots.offer({"rank0.pt": {"weight": weight, "index": index}}, index)
-                weight.fill_(-1)  # the next step, while the piece is packed
-            snapshots.offer({"rank0.pt": {"weight": weight, "hook": lambda: 0}}, 3)
-            with pytest.raises(SessionError, match="could not be saved with torch.save") as e:
-                snapshots.offer({"rank0.pt": {"weight": weight}}, 4)
+                weight.fill_(-1)  # the next step, while the piece is sent
+            sparse = torch.eye(3).to_sparse()
+            snapshots.offer({"rank0.pt": {"weight": sparse, "index": 3}}, 3)
+            with pytest.raises(SessionError, match="cannot be saved with torch.save") as e:
+                snapshots.offer({"rank0.pt": {"weight": weight, "hook": lambda: 0}}, 4)
             return str(e.value)
         finally:
             snapshots.close()
@@ -444,13 +445,36 @@ def test_a_state_snapshot_is_copied_in_report_and_saved_in_the_background(tmp_pa
         (holder,) = client.scheduler_info()["workers"]
         assert "lambda" in client.submit(reports, pure=False).result()
         held = snapshot_store.STORES[holder].pieces[(run, 0)]
-        assert [p.index for p in held] == [1, 2]
+        assert [p.index for p in held] == [2, 3]  # two rounds a rank
         for piece in held:
             out = tmp_path / f"piece-{piece.index}"
-            zipfile.ZipFile(io.BytesIO(piece.blob)).extractall(out)
+            out.mkdir()
+            whole(piece.blob)(str(out))
             state = torch.load(out / "rank0.pt")
             assert state["index"] == piece.index
-            assert torch.equal(state["weight"], torch.full((1_000_000,), float(piece.index)))
+        assert flat_state.is_flat(held[0].blob) and not flat_state.is_flat(held[1].blob)
+        assert torch.equal(state["weight"].to_dense(), torch.eye(3))
+        state = torch.load(tmp_path / "piece-2" / "rank0.pt")
+        assert torch.equal(state["weight"], torch.full((1_000_000,), 2.0))
+
+
+def test_a_flat_piece_gives_back_its_state_and_any_damage_is_told():
+    # What torch.save keeps: dtypes, shapes, empty tensors, a Parameter, a tensor named twice.
+    w = torch.randn(4, 5)
+    files = {
+        "a.pt": {"w": w, "again": w, "bf16": torch.ones(3, dtype=torch.bfloat16), "step": 7},
+        "b.pt": {"empty": torch.empty(0, 3), "p": torch.nn.Parameter(torch.arange(4.0))},
+    }
+    piece = flat_state.seal(flat_state.FlatStager(reuse=True).stage(files))
+    back = flat_state.load(bytes(piece))
+    a, b = back["a.pt"], back["b.pt"]
+    assert torch.equal(a["w"], w) and a["again"] is a["w"] and a["step"] == 7
+    assert a["bf16"].dtype == torch.bfloat16 and torch.equal(a["bf16"], files["a.pt"]["bf16"])
+    assert b["empty"].shape == (0, 3) and isinstance(b["p"], torch.nn.Parameter)
+    assert torch.equal(b["p"], torch.arange(4.0))
+    for at in range(0, len(piece), max(1, len(piece) // 97)):  # its CRC, header, data
+        with pytest.raises(ValueError, match="damaged"):
+            whole(flipped(piece, at))
 
 
 @pytest.mark.parametrize(

@@ -2,16 +2,16 @@
 background, save just in time when a peer fails, and restore a round.
 
 `report(..., snapshot=...)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
-takes its *piece* of the round, one zip blob of files (stored, not compressed), in one of two
-ways:
+takes its *piece* of the round, one blob, in one of two ways:
 
 - `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
-  report() copies the tensors into buffers it keeps for the next snapshot (torch's
-  `DefaultStager`: a memcpy, a few ms for tens of MB) and returns; `torch.save` and the zip run
-  in the background, as in CheckFreq and Gemini. Where the state on one report is the same
-  tensors as on the last (a model's and an optimizer's), nothing is allocated again. Each file
-  is written into the zip as torch.save writes it: no copy beyond torch.save's own.
-- `snapshot=save`: report() calls `save(directory)` and packs what it wrote, before it returns.
+  report() copies the tensors into one buffer it keeps for the next snapshot, behind the state's
+  structure (`flat_state`: a memcpy, a few ms for tens of MB) and returns; the CRC-32 and the
+  sends run in the background, as in CheckFreq and Gemini. No torch.save until a restore
+  needs the files. A state with a tensor that format does not take (sparse, quantized, a
+  subclass) is saved with torch.save into a zip at once, on the rank's thread.
+- `snapshot=save`: report() calls `save(directory)` and packs what it wrote into a zip (stored,
+  not compressed), before it returns.
 
 A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
 `driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at a
@@ -28,7 +28,7 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and whole (each file's CRC-32, as packed), and unpacks them into one
+copies that is still held and whole (its CRC-32s, as packed), and unpacks them into one
 local directory (the lowest rank's file wins where two ranks wrote the same name): what
 `get_checkpoint()` returns, as from storage. It starts as the rank does, on the snapshot
 thread, while the rank joins its group and builds its model.
@@ -128,7 +128,7 @@ class RankSnapshots:
         self.sent = self.failed = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: Any = None  # torch's DefaultStager: the copies' buffers, kept for the next
+        self._stager: Any = None  # flat_state.FlatStager: the copies' buffer, kept for the next
         self._restoring: Future[str] | None = None  # the round to restore, being fetched
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
@@ -156,27 +156,36 @@ class RankSnapshots:
             self.wait()  # one piece in flight: the previous one is held (or failed) first
             self._submit(self._send, blob, index, "snapshot")
         else:
-            # and the buffers the previous piece was copied into are free again
-            if (error := self.wait()) is not None:
-                raise SessionError(
-                    f"report(snapshot=...): the snapshot of an earlier report could not be "
-                    f"saved with torch.save: {error!r}"
-                ) from error
-            self._submit(self._pack_and_send, self._stage(snapshot), index)
+            self.wait()  # and the buffer the previous piece was copied into is free again
+            self._submit(self._seal_and_send, self._stage(snapshot), index)
 
-    def _stage(self, files: Mapping[str, Any]) -> dict[str, Any]:
-        """A copy of `files` whose tensors are in this rank's buffers (CPU memory, pinned for a
-        GPU's), taken now: the training goes on changing the originals."""
+    def _stage(self, files: Mapping[str, Any]) -> memoryview:
+        """The piece of `files`, its tensors copied now (the training goes on changing the
+        originals): `flat_state`, or torch.save's zip where a tensor is not plain."""
+        from . import flat_state
+
         if self._stager is None:
             import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            gpu = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(gpu, False, False, gpu))
-        return self._stager.stage(dict(files))
+            # a holder in this process (Dask's inproc transport) keeps the very buffer sent
+            reuse = not any(h.startswith("inproc://") for h in self.holders)
+            self._stager = flat_state.FlatStager(reuse, pin=torch.cuda.is_available())
+        try:
+            return self._stager.stage(files)
+        except flat_state.NotPlain:
+            pass
+        except Exception as e:
+            raise SessionError(
+                f"report(snapshot=...): this state cannot be saved with torch.save: {e!r}"
+            ) from e
+        return pack_state(files)  # torch.save takes what it is; rare, so on this thread
 
-    def _pack_and_send(self, files: dict[str, Any], index: int) -> None:
-        self._send(pack_state(files), index, "snapshot")
+    def _seal_and_send(self, piece: memoryview, index: int) -> None:
+        from . import flat_state
+
+        if flat_state.is_flat(piece):
+            flat_state.seal(piece)
+        self._send(piece, index, "snapshot")
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._pending = self._thread().submit(fn, *args)
@@ -187,18 +196,16 @@ class RankSnapshots:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ft-train-snapshot")
         return self._executor
 
-    def wait(self, timeout: float | None = None) -> BaseException | None:
-        """Until the piece in flight is sent (or `timeout`); what packing it raised, if it did."""
-        error = None
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the piece in flight is sent (or `timeout`: a failing rank gives up on it)."""
         if self._pending is not None:
             try:
                 self._pending.result(timeout)
             except TimeoutError:
-                return None  # still sending; a failing rank gives up on it
-            except Exception as e:  # packing in the background failed
-                error = e
+                return
+            except Exception as e:  # a bug, not a holder's failure (`_put` takes those)
+                logger.warning("ft-train: rank %d: a snapshot was not sent: %r", self.rank, e)
             self._pending = None
-        return error
 
     def jit(self, index: int) -> None:
         """This rank failed because a peer went away: save just in time, if the function opted
@@ -272,15 +279,15 @@ class RankSnapshots:
         out = tempfile.mkdtemp(prefix="ft-train-restored-")
         try:
             for rank in sorted(copies, reverse=True):
-                with self._fetch(snapshot, copies[rank]) as piece:
-                    piece.extractall(out)  # zipfile keeps each name inside `out`
+                self._fetch(snapshot, copies[rank])(out)
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
         return out
 
-    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> zipfile.ZipFile:
-        """One rank's piece: the first of its copies still held and whole (`_whole`)."""
+    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
+        """One rank's piece, as a function that writes its files into a directory: the first of
+        its copies still held and whole (`_whole`)."""
         why = []
         for piece in copies:
             key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
@@ -314,18 +321,29 @@ class RankSnapshots:
                 shutil.rmtree(self._restoring.result(), ignore_errors=True)
 
 
-def _whole(blob: Buffer) -> zipfile.ZipFile:
-    """The piece, once every file in it matches the CRC-32 it was packed with (zipfile's check,
-    a pass over the piece); ValueError where it does not, or is not a zip at all any more."""
+def _whole(blob: Buffer) -> Saver:
+    """The piece as a function that writes its files into a directory, once it matches the
+    CRC-32 it was packed with (a pass over it); ValueError where it does not, or is not a piece
+    at all any more."""
+    from . import flat_state
+
     try:
+        if flat_state.is_flat(blob):
+            files = flat_state.load(blob)
+            return lambda out: flat_state.write(files, out)
         z = zipfile.ZipFile(io.BytesIO(blob))
         bad = z.testzip()
-    except Exception as e:  # what a damaged archive raises: BadZipFile, struct.error, ...
+    except Exception as e:  # what a damaged piece raises: BadZipFile, struct.error, pickle's
         raise ValueError(f"the piece is damaged ({type(e).__name__}: {e})") from e
     if bad is not None:
         z.close()
         raise ValueError(f"the piece is damaged ({bad} does not match its CRC-32)")
-    return z
+
+    def extract(out: str) -> None:
+        with z:
+            z.extractall(out)  # zipfile keeps each name inside `out`
+
+    return extract
 
 
 def _this_worker() -> Any:
