@@ -57,7 +57,7 @@ class FtApi(Api):
 
     def use_snapshots(self, files, jit) -> None:
         self.snapshot = files
-        ft_train.enable_jit_checkpoint(jit)
+        ft_train.enable_jit_checkpoint(files=jit)
 
     @contextlib.contextmanager
     def save_dir(self, nbytes: int, taken_over: bool) -> Iterator[str]:

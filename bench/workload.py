@@ -94,10 +94,10 @@ class Api:
         deletes `checkpoint_dir`; otherwise the caller deletes it after report() returns."""
         raise NotImplementedError
 
-    def use_snapshots(self, files: Callable[[], dict], jit: Callable[[str], None]) -> None:
+    def use_snapshots(self, files: Callable[[], dict], jit: Callable[[], dict]) -> None:
         """Hand the system's in-memory snapshot tier `files()`, this rank's {file name: state}
-        now, for its periodic snapshots, and `jit(directory)`, for a just-in-time save when a
-        peer fails."""
+        now, for its periodic snapshots, and `jit()`, the same for every rank, for a
+        just-in-time save when a peer fails."""
         raise NotImplementedError(f"{self.system} has no in-memory snapshots")
 
     def wait_committed(self, config: dict, step: int) -> None:
@@ -255,8 +255,8 @@ def run_loop(config: dict, api: Api) -> None:
     def snapshot() -> dict:
         return {"state.pt": checkpoint_state(model, opt, done, None)} if rank == 0 else {}
 
-    def jit(d: str) -> None:
-        torch.save(checkpoint_state(model, opt, done, None), os.path.join(d, "state.pt"))
+    def jit() -> dict:
+        return {"state.pt": checkpoint_state(model, opt, done, None)}
 
     if config.get("snapshot"):
         # any survivor may be the one that saves just in time; a restore takes the lowest rank's

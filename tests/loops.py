@@ -48,7 +48,8 @@ def fast_checkpoints(config):
     at step s, right after report s returned. `snapshot`: offer report() the same state as an
     in-memory snapshot at every report (ft-train takes it every `snapshot_every`), as
     {file: state}, or as a function save(directory) with "save"; `jit`: opt in
-    to a just-in-time save (every rank saves the whole replica as rank0.pt); `step_s`: seconds
+    to a just-in-time save (every rank saves the whole replica as rank0.pt; "files": as
+    {file: state}, else with save(directory)); `step_s`: seconds
     of simulated compute a step."""
     import tempfile
     import time
@@ -87,7 +88,9 @@ def fast_checkpoints(config):
             return {f"rank{rank}.pt": state()} if sharded or rank == 0 else {}
         return None
 
-    if config.get("jit"):
+    if config.get("jit") == "files":
+        ft_train.enable_jit_checkpoint(files=lambda: {"rank0.pt": state()})
+    elif config.get("jit"):
         ft_train.enable_jit_checkpoint(lambda d: torch.save(state(), os.path.join(d, "rank0.pt")))
     while step < steps:
         maybe_inject(config.get("faults"), rank, step)

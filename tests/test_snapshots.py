@@ -100,12 +100,13 @@ def test_a_rank_killed_between_checkpoints_resumes_from_the_newest_snapshot(
     assert_bit_identical(weights(result), fault_free)
 
 
-@pytest.mark.parametrize("pace", PACES)
-def test_the_survivors_save_just_in_time_when_a_rank_raises(tmp_path, pace, fault_free):
+@pytest.mark.parametrize(("pace", "jit"), [*((p, True) for p in PACES), (PACES[0], "files")])
+def test_the_survivors_save_just_in_time_when_a_rank_raises(tmp_path, pace, jit, fault_free):
     # No snapshots: rank 1 raises right after report 27; rank 0, in step 28's all-reduce, loses
-    # its peer and saves the state of report 27, which the restart resumes from.
-    target, name = local(tmp_path), f"jit-{pace}"
-    config = {"jit": True, "step_s": pace, "faults": [kill(1, 27, tmp_path, "raise")]}
+    # its peer and saves the state of report 27, which the restart resumes from. It saves with
+    # save(directory), or from {file: state} (jit="files").
+    target, name = local(tmp_path), f"jit-{pace}-{jit}"
+    config = {"jit": jit, "step_s": pace, "faults": [kill(1, 27, tmp_path, "raise")]}
     result = train_fast(target, name, config, max_failures=1, snapshot_every=None)
 
     assert result.status == "finished", result.error
@@ -488,3 +489,9 @@ def test_a_flat_piece_gives_back_its_state_and_any_damage_is_told():
 def test_a_snapshot_that_is_not_files_of_state_is_refused_by_name(snapshot, says):
     with pytest.raises(SessionError, match=re.escape(says)):
         RankSnapshots("run", "a1", 0, 1, [], 1).offer(snapshot, 1)
+
+
+@pytest.mark.parametrize("kw", [{}, {"save": lambda d: None, "files": dict}])
+def test_a_just_in_time_save_takes_one_of_save_and_files(kw):
+    with pytest.raises(SessionError, match="give save .* or files .* one of them"):
+        ft_train.enable_jit_checkpoint(**kw)

@@ -46,6 +46,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import knobs
@@ -54,6 +55,7 @@ from ..storage.checkpoint import Checkpoint
 from .journal import journal_root, run_key
 
 if TYPE_CHECKING:
+    from .flat_state import FlatStager
     from .session import RankSpec
 
 logger = logging.getLogger("ft_train")
@@ -96,6 +98,25 @@ def pack_state(files: Mapping[str, Any]) -> memoryview:
     return buf.getbuffer()
 
 
+def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
+    """`files`' piece: flat, its tensors copied now and its CRC-32 not yet written
+    (`flat_state.seal`), or torch.save's zip where a tensor is not plain (rare: on this
+    thread)."""
+    from . import flat_state  # torch: not on `import ft_train`
+
+    try:
+        return stager.stage(files)
+    except flat_state.NotPlain:
+        return pack_state(files)
+
+
+@dataclass(frozen=True)
+class Files:
+    """enable_jit_checkpoint(files=...): a function that returns this rank's {file name: state}."""
+
+    files: Callable[[], Mapping[str, Any]]
+
+
 def check_snapshot(snapshot: Any) -> None:
     """report(snapshot=...) is a mapping of plain file names, or a function save(directory)."""
     if callable(snapshot):
@@ -124,7 +145,7 @@ class RankSnapshots:
     ):
         self.run, self.attempt_id, self.rank, self.world = run, attempt_id, rank, world
         self.holders, self.every = list(holders), every
-        self.jit_saver: Saver | None = None
+        self.jit_saver: Saver | Files | None = None  # enable_jit_checkpoint's, either form
         self.sent = self.failed = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -161,24 +182,21 @@ class RankSnapshots:
 
     def _stage(self, files: Mapping[str, Any]) -> memoryview:
         """The piece of `files`, its tensors copied now (the training goes on changing the
-        originals): `flat_state`, or torch.save's zip where a tensor is not plain."""
-        from . import flat_state
-
+        originals): `_piece`."""
         if self._stager is None:
             import torch
 
+            from .flat_state import FlatStager
+
             # a holder in this process (Dask's inproc transport) keeps the very buffer sent
             reuse = not any(h.startswith("inproc://") for h in self.holders)
-            self._stager = flat_state.FlatStager(reuse, pin=torch.cuda.is_available())
+            self._stager = FlatStager(reuse, pin=torch.cuda.is_available())
         try:
-            return self._stager.stage(files)
-        except flat_state.NotPlain:
-            pass
+            return _piece(self._stager, files)
         except Exception as e:
             raise SessionError(
                 f"report(snapshot=...): this state cannot be saved with torch.save: {e!r}"
             ) from e
-        return pack_state(files)  # torch.save takes what it is; rare, so on this thread
 
     def _seal_and_send(self, piece: memoryview, index: int) -> None:
         from . import flat_state
@@ -212,8 +230,17 @@ class RankSnapshots:
         in, and wait (bounded) until a holder has the piece."""
         if self.jit_saver is None or not self.holders:
             return
+        from . import flat_state
+
         try:
-            blob = pack(self.jit_saver)
+            if isinstance(self.jit_saver, Files):
+                files = self.jit_saver.files()
+                check_snapshot(files)
+                blob = _piece(flat_state.FlatStager(reuse=False), files)
+                if flat_state.is_flat(blob):
+                    flat_state.seal(blob)
+            else:
+                blob = pack(self.jit_saver)
         except Exception as e:  # the rank fails anyway, with its own error; the save is lost
             logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
             return
