@@ -18,8 +18,9 @@ import os
 import pickle
 import struct
 import warnings
+import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -138,3 +139,26 @@ def write(files: Mapping[str, Any], out: str) -> None:
     """Each file's state into `out`, with torch.save, as the rank would have saved it."""
     for name, state in files.items():
         torch.save(state, os.path.join(out, name))
+
+
+def whole(blob: Any) -> Callable[[str], None]:
+    """The piece as a function that writes its files into a directory, once it matches the
+    CRC-32 it was packed with (a pass over it); ValueError where it does not, or is not a piece
+    at all any more."""
+    try:
+        if is_flat(blob):
+            files = load(blob)
+            return lambda out: write(files, out)
+        z = zipfile.ZipFile(io.BytesIO(blob))
+        bad = z.testzip()
+    except Exception as e:  # what a damaged piece raises: BadZipFile, struct.error, pickle's
+        raise ValueError(f"the piece is damaged ({type(e).__name__}: {e})") from e
+    if bad is not None:
+        z.close()
+        raise ValueError(f"the piece is damaged ({bad} does not match its CRC-32)")
+
+    def extract(out: str) -> None:
+        with z:
+            z.extractall(out)  # zipfile keeps each name inside `out`
+
+    return extract

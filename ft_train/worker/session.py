@@ -42,7 +42,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -54,7 +54,7 @@ from ..storage.checkpoint_manager import checkpoint_dir_name
 from ..storage.fs import Storage
 from . import preemption
 from .journal import Journal
-from .snapshots import Files, RankSnapshots, Saver, Snapshot
+from .snapshots import RankSnapshots, Saver, Snapshot, StateFn, jit_saver
 from .uploads import Uploads
 
 
@@ -379,19 +379,9 @@ def get_preemption_info() -> PreemptionInfo | None:
     return _current().preemption
 
 
-def enable_jit_checkpoint(
-    save: Saver | None = None, *, files: Callable[[], Mapping[str, Any]] | None = None
-) -> None:
-    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`): either
-    `save(directory)`, which writes this rank's state into the directory, or `files()`, which
-    returns it as report(snapshot=...) takes it, {file name: state}: copied in a few ms, with
-    no torch.save until a restore needs the files."""
-    if (save is None) == (files is None):
-        raise SessionError(
-            "enable_jit_checkpoint: give save (a function save(directory)) or files (a function "
-            'that returns {file name: state}, e.g. lambda: {"rank0.pt": state()}), one of them'
-        )
-    _current().snapshots.jit_saver = Files(files) if files is not None else save
+def enable_jit_checkpoint(save: Saver | None = None, *, files: StateFn | None = None) -> None:
+    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`)."""
+    _current().snapshots.jit_saver = jit_saver(save, files)
 
 
 def report(

@@ -62,6 +62,7 @@ logger = logging.getLogger("ft_train")
 
 Buffer = bytes | memoryview  # a piece's blob
 Saver = Callable[[str], Any]  # save(directory): write this rank's state into it
+StateFn = Callable[[], Mapping[str, Any]]  # () -> {file name: state}
 Snapshot = Mapping[str, Any] | Saver  # report(snapshot=...): {file name: state}, or a Saver
 
 
@@ -115,6 +116,16 @@ class Files:
     """enable_jit_checkpoint(files=...): a function that returns this rank's {file name: state}."""
 
     files: Callable[[], Mapping[str, Any]]
+
+
+def jit_saver(save: Saver | None, files: Callable[[], Mapping[str, Any]] | None) -> Saver | Files:
+    """enable_jit_checkpoint's arguments: one of the two, else a SessionError that says so."""
+    if (save is None) == (files is None):
+        raise SessionError(
+            "enable_jit_checkpoint: give save (a function save(directory)) or files (a function "
+            'that returns {file name: state}, e.g. lambda: {"rank0.pt": state()}), one of them'
+        )
+    return Files(files) if files is not None else save  # type: ignore[return-value]
 
 
 def check_snapshot(snapshot: Any) -> None:
@@ -314,7 +325,7 @@ class RankSnapshots:
 
     def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
         """One rank's piece, as a function that writes its files into a directory: the first of
-        its copies still held and whole (`_whole`)."""
+        its copies still held and whole (`flat_state.whole`)."""
         why = []
         for piece in copies:
             key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
@@ -327,7 +338,9 @@ class RankSnapshots:
                 why.append(f"{piece['holder']}: {status}")
                 continue
             try:
-                return _whole(answer["blob"])
+                from .flat_state import whole  # torch: not on `import ft_train`
+
+                return whole(answer["blob"])
             except ValueError as e:
                 why.append(f"{piece['holder']}: {e}")
         where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
@@ -346,31 +359,6 @@ class RankSnapshots:
             with contextlib.suppress(Exception):  # what it raised went to get_checkpoint()
                 # fetches are bounded (knobs.SNAPSHOT_SEND_TIMEOUT_S)
                 shutil.rmtree(self._restoring.result(), ignore_errors=True)
-
-
-def _whole(blob: Buffer) -> Saver:
-    """The piece as a function that writes its files into a directory, once it matches the
-    CRC-32 it was packed with (a pass over it); ValueError where it does not, or is not a piece
-    at all any more."""
-    from . import flat_state
-
-    try:
-        if flat_state.is_flat(blob):
-            files = flat_state.load(blob)
-            return lambda out: flat_state.write(files, out)
-        z = zipfile.ZipFile(io.BytesIO(blob))
-        bad = z.testzip()
-    except Exception as e:  # what a damaged piece raises: BadZipFile, struct.error, pickle's
-        raise ValueError(f"the piece is damaged ({type(e).__name__}: {e})") from e
-    if bad is not None:
-        z.close()
-        raise ValueError(f"the piece is damaged ({bad} does not match its CRC-32)")
-
-    def extract(out: str) -> None:
-        with z:
-            z.extractall(out)  # zipfile keeps each name inside `out`
-
-    return extract
 
 
 def _this_worker() -> Any:
