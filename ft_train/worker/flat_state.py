@@ -99,10 +99,11 @@ class FlatStager:
 
 
 def seal(piece: memoryview) -> memoryview:
-    """Write the piece's CRC-32: a pass over it, off the training thread (zlib lets go of the
-    GIL)."""
-    at = len(MAGIC)
-    struct.pack_into("<I", piece, at, zlib.crc32(piece[at + 4 :]))
+    """Write a flat piece's CRC-32 (a zip has its own): a pass over it, off the training thread
+    (zlib lets go of the GIL)."""
+    if is_flat(piece):
+        at = len(MAGIC)
+        struct.pack_into("<I", piece, at, zlib.crc32(piece[at + 4 :]))
     return piece
 
 

@@ -115,17 +115,19 @@ def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
 class Files:
     """enable_jit_checkpoint(files=...): a function that returns this rank's {file name: state}."""
 
-    files: Callable[[], Mapping[str, Any]]
+    files: StateFn
 
 
-def jit_saver(save: Saver | None, files: Callable[[], Mapping[str, Any]] | None) -> Saver | Files:
+def jit_saver(save: Saver | None, files: StateFn | None) -> Saver | Files:
     """enable_jit_checkpoint's arguments: one of the two, else a SessionError that says so."""
-    if (save is None) == (files is None):
-        raise SessionError(
-            "enable_jit_checkpoint: give save (a function save(directory)) or files (a function "
-            'that returns {file name: state}, e.g. lambda: {"rank0.pt": state()}), one of them'
-        )
-    return Files(files) if files is not None else save  # type: ignore[return-value]
+    if save is not None and files is None:
+        return save
+    if files is not None and save is None:
+        return Files(files)
+    raise SessionError(
+        "enable_jit_checkpoint: give save (a function save(directory)) or files (a function "
+        'that returns {file name: state}, e.g. lambda: {"rank0.pt": state()}), one of them'
+    )
 
 
 def check_snapshot(snapshot: Any) -> None:
@@ -212,9 +214,7 @@ class RankSnapshots:
     def _seal_and_send(self, piece: memoryview, index: int) -> None:
         from . import flat_state
 
-        if flat_state.is_flat(piece):
-            flat_state.seal(piece)
-        self._send(piece, index, "snapshot")
+        self._send(flat_state.seal(piece), index, "snapshot")
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._pending = self._thread().submit(fn, *args)
@@ -247,9 +247,7 @@ class RankSnapshots:
             if isinstance(self.jit_saver, Files):
                 files = self.jit_saver.files()
                 check_snapshot(files)
-                blob = _piece(flat_state.FlatStager(reuse=False), files)
-                if flat_state.is_flat(blob):
-                    flat_state.seal(blob)
+                blob = flat_state.seal(_piece(flat_state.FlatStager(reuse=False), files))
             else:
                 blob = pack(self.jit_saver)
         except Exception as e:  # the rank fails anyway, with its own error; the save is lost
