@@ -4,10 +4,11 @@
         [--checkpoint-every 60] [--snapshot-every-s 5] [--off-minutes 5]
         [--fault-free-minutes 2] [--systems ft-train,ray]
 
-One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`):
-each system without faults, checkpoints or snapshots (its fault-free steps/s); ft-train with
-faults and in-memory snapshots; ft-train with faults and no snapshots (no just-in-time save
-either: storage only); Ray with faults. Both train `bench.workload.run_loop` with 2 ranks, on a
+One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`),
+for each system: a run without faults, checkpoints or snapshots; the run with faults (ft-train's
+with in-memory snapshots); a second run without faults (its fault-free steps/s: the mean of the
+two); and for ft-train, a run with faults and no snapshots (no just-in-time save either: storage
+only). Both train `bench.workload.run_loop` with 2 ranks, on a
 cluster with one spare node, with `max_failures=-1`, and checkpoint to local storage every
 `--checkpoint-every` seconds' worth of their own fault-free steps (asynchronous upload).
 
@@ -21,10 +22,10 @@ restarting waits for the group's first step. At the end the injector writes the 
 train, a little past the step reached, and the run ends there.
 
 Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
-the same system's fault-free steps/s; per fault, steps lost = the step reached before the
-restart - the step the restart resumed from, and recovery = the fault -> the first step every
-rank completed after the restart. Results merge into bench/results.json under
-figures["goodput"]; the steps over time go to bench/goodput.png.
+the same system's fault-free steps/s (the mean of the runs before and after it); per fault,
+steps lost = the step reached before the restart - the step the restart resumed from, and
+recovery = the fault -> the first step every rank completed after the restart. Results merge
+into bench/results.json under figures["goodput"]; the steps over time go to bench/goodput.png.
 """
 
 from __future__ import annotations
@@ -410,25 +411,33 @@ def measure(args: argparse.Namespace) -> dict:
         return runs[name]
 
     kinds = [k.strip() for k in args.kinds.split(",")]
-    rate: dict[str, float | None] = {}
+    fault_free = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
     for system in systems:
-        p = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
-        rate[system] = child(f"{system}, fault-free", system, p, None).get("steps_per_s")
-    for system in systems:
-        if not rate[system]:
+        before = child(f"{system}, fault-free", system, fault_free, None).get("steps_per_s")
+        if not before:
             continue  # its fault-free run failed: no intervals to derive, nothing to compare
-        every = round(args.checkpoint_every * rate[system])
+        every = round(args.checkpoint_every * before)
         faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every, "kinds": kinds}
-        if system == "ray":
-            child("ray", system, {**faulted, "duration_s": args.minutes * 60}, rate[system])
-            continue
-        snap = max(1, round(args.snapshot_every_s * rate[system]))
-        on = {**faulted, "duration_s": args.minutes * 60, "snapshot_every": snap}
-        child("ft-train", system, on, rate[system])
-        if args.off_minutes:
+        on = {**faulted, "duration_s": args.minutes * 60}
+        if system == "ft-train":
+            on["snapshot_every"] = max(1, round(args.snapshot_every_s * before))
+        child(system, system, on, before)
+        # the host drifts by several % over minutes: the faulted run's pace is compared with
+        # the mean of a fault-free run before it and one after it
+        after = child(f"{system}, fault-free after", system, fault_free, None).get("steps_per_s")
+        rate = statistics.fmean([before, after]) if after else before
+        rebase(runs[system], rate, [before, after])
+        if system == "ft-train" and args.off_minutes:
             off = {**faulted, "duration_s": args.off_minutes * 60}
-            child("ft-train, snapshots off", system, off, rate[system])
+            rebase(child("ft-train, snapshots off", system, off, rate), rate, [before, after])
     return runs
+
+
+def rebase(run: dict, fault_free: float, measured: list) -> None:
+    """`run`'s goodput against `fault_free` steps/s (`measured`: the runs it comes from)."""
+    run["fault_free_steps_per_s"], run["fault_free_measured"] = fault_free, measured
+    if run.get("steps_per_s"):
+        run["goodput"] = run["steps_per_s"] / fault_free
 
 
 def targets(runs: dict) -> dict:
@@ -462,6 +471,11 @@ def _med_max(s: dict | None, fmt: str) -> str:
     return "n/a" if s is None else f"{s['median']:{fmt}} / {s['max']:{fmt}}"
 
 
+def _fault_free(r: dict) -> str:
+    runs = ", ".join(_f(x) for x in r.get("fault_free_measured") or [])
+    return _f(r.get("fault_free_steps_per_s")) + (f" ({runs})" if runs else "")
+
+
 def table(fig: dict) -> str:
     runs = fig.get("runs", {})
     names = [n for n in ORDER if n in runs and "fault-free" not in n]
@@ -469,7 +483,7 @@ def table(fig: dict) -> str:
     rows: list[tuple[str, Callable[[dict], str]]] = [
         ("goodput (useful steps/s / fault-free steps/s)", lambda r: _f(r.get("goodput"), ".3f")),
         ("useful steps/s under faults", lambda r: _f(r.get("steps_per_s"))),
-        ("fault-free steps/s", lambda r: _f(r.get("fault_free_steps_per_s"))),
+        ("fault-free steps/s: the mean (before, after)", _fault_free),
         (
             "run from step 1: seconds, final step, faults (not recovered)",
             lambda r: (

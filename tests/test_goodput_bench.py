@@ -51,6 +51,9 @@ def test_the_figures_of_an_event_log_with_a_restart():
         {"events": ev, "faults": [{"kind": "kill", "rank": 1, "t": 6.02}]}, 10.0, {}
     )
     assert out["goodput"] == pytest.approx(prog["steps_per_s"] / 10.0)
+    goodput.rebase(out, 12.0, [11.0, 13.0])  # against the fault-free runs before and after it
+    assert out["goodput"] == pytest.approx(prog["steps_per_s"] / 12.0)
+    assert "12.00 (11.00, 13.00)" == goodput._fault_free(out)
     assert out["faults"][0]["t_s"] == pytest.approx(6.02 - 1.01, abs=0.01)
     assert out["lost_steps"]["max"] == 6 and out["unrecovered"] == 0
     # the series drops back at the restart: its last point before it and its first after it

@@ -1,7 +1,7 @@
 """A snapshot piece of {file name: state} as one flat buffer, without torch.save in the way.
 
 `report(snapshot={"rank0.pt": state})` runs at every snapshot round, on the rank's own cores:
-torch.save and a zip around it cost the rank some 36 ms of CPU for 34 MB, each time. Here the
+torch.save and a zip around it would cost the rank CPU each time, beside its training. Here the
 rank copies the state's tensors into one buffer it keeps, behind a header (the state's structure,
 pickled with each tensor as a reference), and a background pass writes the CRC-32 of the rest
 into the header. No file is written until a restore: then the state is rebuilt from the buffer
