@@ -8,9 +8,9 @@ One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ra
 for each system: a run without faults, checkpoints or snapshots; the run with faults (ft-train's
 with in-memory snapshots); a second run without faults (its fault-free steps/s: the mean of the
 two); and for ft-train, a run with faults and no snapshots (no just-in-time save either: storage
-only). Both train `bench.workload.run_loop` with 2 ranks, on a
-cluster with one spare node, with `max_failures=-1`, and checkpoint to local storage every
-`--checkpoint-every` seconds' worth of their own fault-free steps (asynchronous upload).
+only). Both train `bench.workload.run_loop` with 2 ranks, on a cluster with one spare node, with
+`max_failures=-1`, and checkpoint to local storage every `--checkpoint-every` seconds' worth of
+their own fault-free steps (asynchronous upload).
 
 Faults come from outside the ranks (`Injector`, a thread in the measuring process), one every
 `--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
@@ -421,7 +421,7 @@ def measure(args: argparse.Namespace) -> dict:
         on = {**faulted, "duration_s": args.minutes * 60}
         if system == "ft-train":
             on["snapshot_every"] = max(1, round(args.snapshot_every_s * before))
-        child(system, system, on, before)
+        child(system, system, on, None)  # its goodput: rebase(), once the pace is known
         # the host drifts by several % over minutes: the faulted run's pace is compared with
         # the mean of a fault-free run before it and one after it
         after = child(f"{system}, fault-free after", system, fault_free, None).get("steps_per_s")
@@ -429,7 +429,7 @@ def measure(args: argparse.Namespace) -> dict:
         rebase(runs[system], rate, [before, after])
         if system == "ft-train" and args.off_minutes:
             off = {**faulted, "duration_s": args.off_minutes * 60}
-            rebase(child("ft-train, snapshots off", system, off, rate), rate, [before, after])
+            rebase(child("ft-train, snapshots off", system, off, None), rate, [before, after])
     return runs
 
 
