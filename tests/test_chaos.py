@@ -241,9 +241,10 @@ class ExternalCluster:
             start_new_session=True,
         )
 
-    def add_node(self) -> str:
+    def add_node(self, prefix: tuple[str, ...] = ()) -> str:
+        """A node; `prefix`: a command that runs it (in a namespace of its own, say)."""
         name = f"w{len(self.procs) - 1}"
-        self._start(name, [sys.executable, "-c", NANNY, self.address, name])
+        self._start(name, [*prefix, sys.executable, "-c", NANNY, self.address, name])
         return name
 
     def connect(self) -> None:

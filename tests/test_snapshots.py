@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import threading
 
 import pytest
@@ -24,7 +25,7 @@ import ft_train
 from ft_train.controller.snapshots import SnapshotTier, complete_rounds
 from ft_train.driver import snapshot_holders
 from ft_train.errors import CheckpointDamagedError, SessionError
-from ft_train.worker import flat_state, snapshot_store
+from ft_train.worker import flat_state, piece_files, snapshot_store
 from ft_train.worker.flat_state import whole
 from ft_train.worker.journal import run_key
 from ft_train.worker.snapshots import RankSnapshots, pack
@@ -153,9 +154,10 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
             30,
             "both copies of rank 0's piece of round 26",
         )
-        for piece in held_by_rank(name, target)[0]:
-            piece.blob = flipped(piece.blob, piece.blob.nbytes // 2)  # in the state's bytes
-            damaged.append(piece.index)
+        for k, piece in enumerate(held_by_rank(name, target)[0]):
+            # on one host, a piece's two copies are one file in /dev/shm: a bit each, apart
+            flip_held(piece, piece.blob.nbytes // 2 + k)  # in the state's bytes
+            damaged.append((piece.index, piece.path is not None))
 
     gate, thread = at_gate(tmp_path, 1, 27, damage)
     thread.start()
@@ -163,7 +165,8 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
     result = train_fast(target, name, config, max_failures=1)
     thread.join(10)
 
-    assert sorted(damaged) == [24, 24, 26, 26]
+    in_files = piece_files.directory() is not None  # a holder on the rank's host links its file
+    assert sorted(damaged) == [(24, in_files)] * 2 + [(26, in_files)] * 2
     assert result.status == "finished", result.error
     charged = [(f.kind, f.rank, f.step) for f in result.failures if f.charged]
     assert charged == [("process_death", 1, 28)]
@@ -191,6 +194,10 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
         seen["held"] = {(a, r): ix for a, s in stores for r, ix in s.held_pieces(run).items()}
         seen["sizes"] = [p.blob.nbytes for ps in held_by_rank(name, target).values() for p in ps]
         seen["peak"] = {a: s.peak_bytes for a, s in stores}
+        held = {p.path for ps in held_by_rank(name, target).values() for p in ps}
+        seen["in_files"] = held
+        if d := piece_files.directory():  # names no holder has: each rank's piece on its way
+            seen["stray"] = [n for n in os.listdir(d) if os.path.join(d, n) not in held]
 
     gate, thread = at_gate(tmp_path, 0, 110, measure)
     thread.start()
@@ -204,6 +211,11 @@ def test_holders_memory_stays_bounded_over_100_snapshot_rounds(tmp_path):
     assert sorted(r for _, r in seen["held"]) == [0, 0, 1, 1], seen
     biggest = max(seen["sizes"])  # a holder holds two ranks' pieces: its own rank's, a peer's
     assert all(peak <= 2 * 2 * biggest for peak in seen["peak"].values()), seen
+    if piece_files.directory():  # the pieces' memory in /dev/shm: bounded the same way
+        held = sum(len(indexes) for indexes in seen["held"].values())  # a name each
+        assert None not in seen["in_files"] and len(seen["in_files"]) == held, seen
+        assert len(seen["stray"]) <= 2, seen
+        assert not [p for p in seen["in_files"] if os.path.exists(p)]  # the run's end drops them
 
 
 @pytest.fixture
@@ -327,6 +339,122 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     assert_bit_identical(weights(result), fault_free)
 
 
+# A node whose /dev/shm is its own (a mount namespace): another host's memory, on this one.
+OWN_SHM = (
+    *("unshare", "--mount", "--propagation", "private", "sh", "-c"),
+    'mount -t tmpfs -o size=1g tmpfs /dev/shm && exec "$@"',
+    "sh",
+)
+
+
+def _own_shm_works() -> bool:
+    try:
+        return subprocess.run([*OWN_SHM, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("pace", PACES)
+def test_a_holder_on_another_host_takes_the_bytes_and_a_restore_reads_either(
+    tmp_path, pace, fault_free
+):
+    # Two nodes, the second with a /dev/shm of its own. A rank's piece goes to its own nanny by
+    # a link to the file the rank wrote in /dev/shm, and to the nanny on the other "host" by its
+    # bytes (the link fails there). Rank 1 is SIGKILLed at step 28, once round 26 is held in
+    # full; rank 0 saves just in time. Each restoring rank reads the copy on its host from its
+    # file, or fetches a copy's bytes: the result is the fault-free one, bit for bit.
+    if piece_files.directory() is None or not _own_shm_works():
+        pytest.skip("needs /dev/shm and a mount namespace of a node's own (unshare, as root)")
+    target, name = local(tmp_path), f"snap-hosts-{pace}"
+    run = run_key(fresh(target).uri(name))
+    seen: dict = {}
+    nodes = ExternalCluster(tmp_path)
+    try:
+        nodes.add_node()
+        nodes.add_node(OWN_SHM)
+        nodes.connect()
+
+        def look() -> None:
+            held = lambda: snapshot_holders.held(nodes.client, run)  # noqa: E731
+            wait_for(lambda: len(copies(held(), 26)) == 4, 30, "round 26 held in full")
+            attempt_id = load_state(target, name).attempts[0].attempt_id
+            workers = nodes.client.scheduler_info(n_workers=-1)["workers"]
+            nanny = {
+                r: workers[nodes.running(f"ft-train-rank-{r}-{attempt_id}")]["nanny"]
+                for r in (0, 1)
+            }
+            seen["copies"] = {
+                (p["rank"], p["holder"] == nanny[p["rank"]], p["path"] is not None)
+                for p in held()
+                if p["index"] == 26
+            }
+
+        gate, thread = at_gate(tmp_path, 1, 27, look)
+        thread.start()
+        config = {"snapshot": True, "jit": True, "step_s": pace}
+        config["faults"] = [*gate, kill(1, 28, tmp_path)]
+        cluster = ft_train.ClusterConfig(address=nodes.address)
+        result = train_fast(target, name, config, max_failures=1, cluster=cluster)
+        thread.join(10)
+    finally:
+        nodes.close()
+
+    # (rank, held by its own nanny, in a file): a file on the rank's host, bytes on the other
+    assert seen["copies"] == {
+        (0, True, True),
+        (0, False, False),
+        (1, True, True),
+        (1, False, False),
+    }
+    assert result.status == "finished", result.error
+    # the step the driver had heard of last: 28, or 27 where the last report was on its way
+    assert [(f.kind, f.rank) for f in result.failures] == [("process_death", 1)]
+    restart = load_state(target, name).attempts[1]
+    assert restart.restored_snapshot is not None and restart.start_report_index >= 26, restart
+    assert_bit_identical(weights(result), fault_free)
+
+
+def test_a_piece_file_is_linked_by_holders_on_its_host_only_and_swept_after_its_owner_dies(
+    tmp_path,
+):
+    d = piece_files.directory()
+    if d is None:
+        pytest.skip("no writable /dev/shm on this host")
+    path = piece_files.write(b"piece")
+    assert path is not None and os.path.dirname(path) == d
+    linked = piece_files.link(path)
+    assert linked is not None
+    name, blob = linked
+    piece_files.unlink(path)  # the rank's name goes; the holder's keeps the file
+    assert bytes(blob) == b"piece" and bytes(piece_files.open_map(name)) == b"piece"
+    elsewhere = tmp_path / os.path.basename(path)  # another host's directory, say
+    elsewhere.write_bytes(b"piece")
+    assert piece_files.link(str(elsewhere)) is None
+    # a name left by a process that died (SIGKILL) is swept; a live process's stays
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    namespace = os.path.basename(name).split("-")[0]
+    left = os.path.join(d, f"{namespace}-{dead.pid}-left")
+    open(left, "wb").close()
+    assert piece_files.sweep() >= 1
+    assert not os.path.exists(left) and os.path.exists(name)
+    piece_files.unlink(name)
+    assert not os.path.exists(name)
+
+
+def flip_held(piece: snapshot_store.HeldPiece, at: int) -> None:
+    """One bit of byte `at` of a held piece flipped where it is held: in its file in /dev/shm
+    (a bit flip in the host's memory), else in the holder's bytes."""
+    if piece.path is None:
+        piece.blob = flipped(piece.blob, at)
+        return
+    with open(piece.path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
 def flipped(blob: memoryview, at: int) -> memoryview:
     """`blob` with one bit of byte `at` flipped, as a bit flip in a holder's memory would."""
     damaged = bytearray(blob)
@@ -411,6 +539,16 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
         }
         with pytest.raises(CheckpointDamagedError, match="no copy of rank 1's piece"):
             client.submit(restore, pieces[:3], pure=False).result()
+        if (path := piece_files.write(blobs[0])) is not None:
+            # a copy in a file on this host is read from it: its holder (none here) not asked
+            in_file = pieces[1] | {"holder": "tcp://127.0.0.1:9", "path": path}
+            try:
+                assert client.submit(restore, [in_file, pieces[3]], pure=False).result() == {
+                    "one.txt": "one",
+                    "zero.txt": "zero",
+                }
+            finally:
+                piece_files.unlink(path)
 
 
 def test_a_state_snapshot_is_copied_in_report_and_sent_in_the_background(tmp_path):

@@ -5,8 +5,9 @@ where the cluster has them: its own worker's and a peer worker's (`driver.snapsh
 A nanny is a different process from the rank, which outlives its worker as the journals' reader
 does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses no copy,
 and the loss of the rank's node loses one copy of two. A worker without a nanny holds pieces
-itself. The `SnapshotHolder` plugins add four handlers to the holder's Dask server, reached
-over Dask's own comms (`Server.rpc`):
+itself. A holder on the rank's host takes the piece by a link to the file the rank wrote in
+/dev/shm (`piece_files`), one on another host by its bytes. The `SnapshotHolder` plugins add
+four handlers to the holder's Dask server, reached over Dask's own comms (`Server.rpc`):
 
     ft_train_snapshot_put       store one piece
     ft_train_snapshot_describe  what is held for a run
@@ -37,6 +38,7 @@ from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 from distributed.protocol import to_serialize
 
 from .. import knobs
+from . import piece_files
 
 logger = logging.getLogger("ft_train")
 
@@ -56,6 +58,7 @@ class HeldPiece:
     world_size: int
     size: int  # as the rank sent it
     blob: memoryview
+    path: str | None = None  # this holder's name for the piece's file in /dev/shm, if in one
 
     def info(self, holder: str) -> dict[str, Any]:
         return {
@@ -66,7 +69,11 @@ class HeldPiece:
             "kind": self.kind,
             "world_size": self.world_size,
             "size": self.size,
+            "path": self.path,  # a rank on this host reads the piece from it
         }
+
+    def forget(self) -> None:
+        piece_files.unlink(self.path)  # the memory goes with the last name and map
 
 
 class SnapshotStore:
@@ -79,13 +86,21 @@ class SnapshotStore:
         self.peak_bytes = 0  # the most held at once, since this store began
         self._lock = threading.Lock()
 
-    def put(self, run: str, piece: dict[str, Any], blob: Any) -> dict[str, Any]:
-        held = HeldPiece(blob=memoryview(blob), **{k: piece[k] for k in _FIELDS})
+    def put(
+        self, run: str, piece: dict[str, Any], blob: Any = None, path: str | None = None
+    ) -> dict[str, Any]:
+        """Hold a piece: its bytes (`blob`), or the file the rank wrote (`path`) where this
+        holder is on the rank's host, else NOT_HERE (the rank then sends the bytes)."""
+        if path is not None:
+            if (linked := piece_files.link(path)) is None:
+                return {"status": piece_files.NOT_HERE}
+            path, blob = linked
+        held = HeldPiece(blob=memoryview(blob), path=path, **{k: piece[k] for k in _FIELDS})
         with self._lock:
             slot = self.pieces.setdefault((run, held.rank), deque())
             slot.append(held)
             while len(slot) > knobs.SNAPSHOTS_PER_RANK:
-                slot.popleft()
+                slot.popleft().forget()
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
         return {"status": "OK"}
 
@@ -105,8 +120,17 @@ class SnapshotStore:
         with self._lock:
             gone = [k for k in self.pieces if k[0] == run]
             for k in gone:
-                del self.pieces[k]
+                for p in self.pieces.pop(k):
+                    p.forget()
+        piece_files.sweep()  # what killed ranks and holders left in /dev/shm
         return len(gone)
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self.pieces.values():
+                for p in slot:
+                    p.forget()
+            self.pieces.clear()
 
     def held_bytes(self, run: str | None = None) -> int:
         return sum(
@@ -126,6 +150,7 @@ _FIELDS = ("attempt_id", "rank", "index", "kind", "world_size", "size")
 
 
 def _install(server) -> None:
+    piece_files.sweep()
     store = SnapshotStore(server.address)
     server.handlers.update(
         {
@@ -141,7 +166,8 @@ def _install(server) -> None:
 def _uninstall(server) -> None:
     for name in HANDLERS:
         server.handlers.pop(f"ft_train_snapshot_{name}", None)
-    STORES.pop(server.address, None)
+    if (store := STORES.pop(server.address, None)) is not None:
+        store.close()
 
 
 class SnapshotHolder(NannyPlugin):

@@ -14,12 +14,14 @@ takes its *piece* of the round, one blob, in one of two ways:
   not compressed), before it returns.
 
 A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
-`driver.snapshot_holders`) at once, over Dask's comms. One piece is in flight at a
-time: the next snapshot waits for the previous one to be sent, so once report() returns at a
-snapshot round, the rank's piece of the round before is held (or a send failed, which is logged:
-snapshots are a tier above the checkpoints on storage, never in place of them). A holder that
-failed a send is not sent to again by this rank: it is gone or silent, and each try would hold
-the next snapshot up to knobs.SNAPSHOT_SEND_TIMEOUT_S.
+`driver.snapshot_holders`) at once: a holder on the rank's host links the file the thread
+wrote the piece into in /dev/shm (`piece_files`), one on another host takes the bytes over
+Dask's comms. One piece is in flight at a time: the next snapshot waits for the previous one
+to be sent, so once report() returns at a snapshot round, the rank's piece of the round before
+is held (or a send failed, which is logged: snapshots are a tier above the checkpoints on
+storage, never in place of them). A holder that failed a send is not sent to again by this
+rank: it is gone or silent, and each try would hold the next snapshot up to
+knobs.SNAPSHOT_SEND_TIMEOUT_S.
 
 `enable_jit_checkpoint(save)`: when this rank fails because a peer went away (its collective
 saw the closed connection), it calls `save(directory)` and sends the piece, waited for until a
@@ -28,10 +30,11 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and whole (its CRC-32s, as packed), and unpacks them into one
-local directory (the lowest rank's file wins where two ranks wrote the same name): what
-`get_checkpoint()` returns, as from storage. It starts as the rank does, on the snapshot
-thread, while the rank joins its group and builds its model.
+copies that is still held and whole (its CRC-32s, as packed): from the holder's file where
+this host has it, else over Dask's comms. It unpacks them into one local directory (the lowest
+rank's file wins where two ranks wrote the same name): what `get_checkpoint()` returns, as from
+storage. It starts as the rank does, on the snapshot thread, while the rank joins its group and
+builds its model.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
+from . import piece_files
 from .journal import journal_root, run_key
 
 if TYPE_CHECKING:
@@ -258,7 +262,9 @@ class RankSnapshots:
 
     def _send(self, blob: Buffer, index: int, kind: str, until_held: bool = False) -> None:
         """The piece to every holder at once; returns once each has answered, or with
-        `until_held` once one holds it (the other sends go on)."""
+        `until_held` once one holds it (the other sends go on). Written into /dev/shm first,
+        once, for the holders on this host."""
+        path = piece_files.write(blob) if self.holders else None
         piece = {
             "attempt_id": self.attempt_id,
             "rank": self.rank,
@@ -267,34 +273,54 @@ class RankSnapshots:
             "world_size": self.world,
             "size": len(blob),
         }
-        loop = self._worker.loop.asyncio_loop  # tornado's AsyncIOLoop
-        sends = [
-            asyncio.run_coroutine_threadsafe(self._put(h, piece, blob), loop) for h in self.holders
-        ]
-        for done in as_completed(sends):  # each bounded by knobs.SNAPSHOT_SEND_TIMEOUT_S
-            if done.result() and until_held:
-                return
+        held: Future[bool] = Future()  # done once a holder holds the piece
+        sends = asyncio.run_coroutine_threadsafe(
+            self._put_all(piece, blob, path, held),
+            self._worker.loop.asyncio_loop,  # tornado's AsyncIOLoop
+        )
+        if until_held:
+            either: list[Future[Any]] = [sends, held]
+            wait(either, return_when=FIRST_COMPLETED)
+        else:
+            sends.result()
 
-    async def _put(self, holder: str, piece: dict[str, Any], blob: Buffer) -> bool:
-        """One copy of the piece to `holder` (on the worker's event loop): True once held."""
+    async def _put_all(
+        self, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future[bool]
+    ) -> None:
+        """`_put` to every holder at once (each bounded by knobs.SNAPSHOT_SEND_TIMEOUT_S),
+        then this process's name for the file goes: the holders' own names keep it."""
+        try:
+            await asyncio.gather(*(self._put(h, piece, blob, path, held) for h in self.holders))
+        finally:
+            piece_files.unlink(path)
+
+    async def _put(
+        self, holder: str, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future
+    ) -> None:
+        """One copy of the piece to `holder` (on the worker's event loop): by the file at
+        `path` where the holder is on this host, else by its bytes; `held` set once held."""
         from distributed.protocol import to_serialize
 
+        put = {"run": self.run, "piece": piece}
         try:
-            answer = await _rpc(
-                self._worker, holder, "put", run=self.run, piece=piece, blob=to_serialize(blob)
-            )
+            answer: Any = {"status": piece_files.NOT_HERE}
+            if path is not None:
+                answer = await _rpc(self._worker, holder, "put", **put, path=path)
+            if isinstance(answer, dict) and answer.get("status") == piece_files.NOT_HERE:
+                answer = await _rpc(self._worker, holder, "put", **put, blob=to_serialize(blob))
         except Exception as e:  # gone or silent: this copy is not held, nor sent to it again
             answer = f"{e!r}; not sent to again"
             self.holders = [h for h in self.holders if h != holder]
         if isinstance(answer, dict) and answer.get("status") == "OK":
             self.sent += 1
-            return True
+            if not held.done():  # only this event loop sets it
+                held.set_result(True)
+            return
         self.failed += 1
         logger.warning(
             "ft-train: rank %d: %s %d not held by %s: %s",
             *(self.rank, piece["kind"], piece["index"], holder, answer),
         )
-        return False
 
     def prefetch(self, snapshot: dict[str, Any] | None) -> None:
         """Start fetching the round `snapshot` (the driver's choice; None: none) now, on the
@@ -323,22 +349,19 @@ class RankSnapshots:
 
     def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
         """One rank's piece, as a function that writes its files into a directory: the first of
-        its copies still held and whole (`flat_state.whole`)."""
+        its copies still held and whole (`flat_state.whole`), read from the holder's file where
+        this host has it."""
+        from .flat_state import whole  # torch: not on `import ft_train`
+
         why = []
         for piece in copies:
-            key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
             try:
-                answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
+                blob = self._held_blob(piece)
             except Exception as e:  # gone since the driver chose: the next copy, if any
-                answer = {"status": repr(e)}
-            status = answer.get("status") if isinstance(answer, dict) else repr(answer)
-            if status != "OK":
-                why.append(f"{piece['holder']}: {status}")
+                why.append(f"{piece['holder']}: {e if isinstance(e, LookupError) else repr(e)}")
                 continue
             try:
-                from .flat_state import whole  # torch: not on `import ft_train`
-
-                return whole(answer["blob"])
+                return whole(blob)
             except ValueError as e:
                 why.append(f"{piece['holder']}: {e}")
         where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
@@ -347,6 +370,20 @@ class RankSnapshots:
             f"({'; '.join(why)})",
             where,
         )
+
+    def _held_blob(self, piece: dict[str, Any]) -> Buffer:
+        """A copy's bytes: from the holder's file (`piece_files`) where this host has it, else
+        from the holder over Dask's comms."""
+        if piece.get("path") and (d := piece_files.directory()) is not None:
+            if os.path.dirname(piece["path"]) == d:
+                with contextlib.suppress(OSError):  # another host's, or dropped since
+                    return piece_files.open_map(piece["path"])
+        key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
+        answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
+        status = answer.get("status") if isinstance(answer, dict) else repr(answer)
+        if status != "OK":
+            raise LookupError(status)
+        return answer["blob"]
 
     def close(self) -> None:
         if self._executor is not None:
