@@ -26,9 +26,9 @@ from ft_train.controller.snapshots import SnapshotTier, complete_rounds
 from ft_train.driver import snapshot_holders
 from ft_train.errors import CheckpointDamagedError, SessionError
 from ft_train.worker import flat_state, piece_files, snapshot_store
-from ft_train.worker.flat_state import whole
+from ft_train.worker.flat_state import pack, whole
 from ft_train.worker.journal import run_key
-from ft_train.worker.snapshots import RankSnapshots, pack
+from ft_train.worker.snapshots import RankSnapshots
 from tests.conftest import StorageTarget
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
 from tests.test_chaos import ExternalCluster

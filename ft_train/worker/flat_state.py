@@ -9,6 +9,9 @@ and saved with torch.save, as the rank would have saved it (storage shared betwe
 tensors comes back as two copies of the same values).
 
     [0:8) MAGIC  [8:12) CRC-32 of [12:]  [12:16) header length H  [64:) tensors  [-H:] header
+
+The other kind of piece is a zip (`pack`: what a `save(directory)` wrote; `pack_state`: a
+state with a tensor this format does not take, torch.saved). `whole` takes either.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
 import struct
+import tempfile
 import warnings
 import zipfile
 import zlib
@@ -24,6 +29,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from .journal import journal_root
 
 MAGIC = b"FTSTATE1"
 _PREFIX = struct.Struct("<II")  # CRC-32, header length (after MAGIC)
@@ -96,6 +103,37 @@ class FlatStager:
 
     def close(self) -> None:
         self._buffer, self._layout = None, []
+
+
+def _scratch() -> str:
+    """Where a snapshot is written before it is packed: memory where the node has it."""
+    return os.path.dirname(journal_root())
+
+
+def pack(save: Callable[[str], Any]) -> memoryview:
+    """Call `save` into a fresh directory and return what it wrote as one zip blob."""
+    d = tempfile.mkdtemp(prefix="ft-train-snapshot-", dir=_scratch())
+    try:
+        save(d)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            for root, _, names in os.walk(d):
+                for name in sorted(names):
+                    path = os.path.join(root, name)
+                    z.write(path, os.path.relpath(path, d))
+        return buf.getbuffer()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def pack_state(files: Mapping[str, Any]) -> memoryview:
+    """`torch.save` each file's state into one zip blob, as `pack` of a save that wrote them."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, state in files.items():
+            with z.open(name, "w", force_zip64=True) as f:
+                torch.save(state, f)
+    return buf.getbuffer()
 
 
 def seal(piece: memoryview) -> memoryview:

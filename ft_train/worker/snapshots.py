@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import shutil
 import tempfile
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
 from . import piece_files
-from .journal import journal_root, run_key
+from .journal import run_key
 
 if TYPE_CHECKING:
     from .flat_state import FlatStager
@@ -70,39 +68,6 @@ StateFn = Callable[[], Mapping[str, Any]]  # () -> {file name: state}
 Snapshot = Mapping[str, Any] | Saver  # report(snapshot=...): {file name: state}, or a Saver
 
 
-def _scratch() -> str:
-    """Where a snapshot is written before it is packed: memory where the node has it."""
-    return os.path.dirname(journal_root())
-
-
-def pack(save: Saver) -> memoryview:
-    """Call `save` into a fresh directory and return what it wrote as one zip blob."""
-    d = tempfile.mkdtemp(prefix="ft-train-snapshot-", dir=_scratch())
-    try:
-        save(d)
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w") as z:
-            for root, _, names in os.walk(d):
-                for name in sorted(names):
-                    path = os.path.join(root, name)
-                    z.write(path, os.path.relpath(path, d))
-        return buf.getbuffer()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def pack_state(files: Mapping[str, Any]) -> memoryview:
-    """`torch.save` each file's state into one zip blob, as `pack` of a save that wrote them."""
-    import torch
-
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for name, state in files.items():
-            with z.open(name, "w", force_zip64=True) as f:
-                torch.save(state, f)
-    return buf.getbuffer()
-
-
 def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
     """`files`' piece: flat, its tensors copied now and its CRC-32 not yet written
     (`flat_state.seal`), or torch.save's zip where a tensor is not plain (rare: on this
@@ -112,7 +77,7 @@ def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
     try:
         return stager.stage(files)
     except flat_state.NotPlain:
-        return pack_state(files)
+        return flat_state.pack_state(files)
 
 
 @dataclass(frozen=True)
@@ -190,6 +155,8 @@ class RankSnapshots:
         if not self.holders or not self.every or index % self.every:
             return
         if callable(snapshot):
+            from .flat_state import pack  # torch: not on `import ft_train`
+
             blob = pack(snapshot)
             self.wait()  # one piece in flight: the previous one is held (or failed) first
             self._submit(self._send, blob, index, "snapshot")
@@ -253,7 +220,7 @@ class RankSnapshots:
                 check_snapshot(files)
                 blob = flat_state.seal(_piece(flat_state.FlatStager(reuse=False), files))
             else:
-                blob = pack(self.jit_saver)
+                blob = flat_state.pack(self.jit_saver)
         except Exception as e:  # the rank fails anyway, with its own error; the save is lost
             logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
             return
