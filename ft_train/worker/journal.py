@@ -41,12 +41,16 @@ from ..protocol import Report, UploadIntent
 _INDEX = struct.Struct("<q")
 
 
+def shared_memory() -> str | None:
+    """The node's shared memory (/dev/shm) where it has one this process may write, else None."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
 def journal_root() -> str:
     """Shared memory where the node has it (a write costs a microsecond, no disk), else the
     temporary directory. The same on a worker and on its nanny (they share the environment)."""
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, "ft-train-journal")
+    return os.path.join(shared_memory() or tempfile.gettempdir(), "ft-train-journal")
 
 
 def run_key(run_uri: str) -> str:

@@ -2,11 +2,10 @@
 
 A rank writes its piece once into a file in `/dev/shm` (`write`), and a holder on the same host
 takes it by a hard link of its own and a read-only map of the file (`link`): one copy in memory
-for the rank's two holders on its host, and no bytes through a socket. Two 34 MB sends over
-Dask's TCP comms cost the ranks' cores about 1 % of their steps at a snapshot every 5 s
-(bench/README.md). A holder on another host cannot link the file (the path is not there, or
-is another host's) and takes the bytes over Dask's comms instead, as `snapshot_store` says. A
-restoring rank reads a copy held in a file from its path where it can open it.
+for the rank's two holders on its host, and no bytes through a socket. A holder on another host
+cannot link the file (the path is not there, or is another host's) and takes the bytes over
+Dask's comms instead, as `snapshot_store` says. A restoring rank reads a copy held in a file
+from its path where it can open it (`open_held`).
 
 The file outlives every process that has a name for it until the last name is removed, so a
 rank's SIGKILL (or its holder's) loses no piece; its data is gone with the host's memory, as a
@@ -26,15 +25,16 @@ import os
 import uuid
 from typing import Any
 
-SHM = "/dev/shm"
+from .journal import shared_memory
+
 NOT_HERE = "not on this host"  # a holder's answer to a path it cannot link: send the bytes
 
 
 def directory() -> str | None:
     """The host's shared directory for pieces, or None where the host has no /dev/shm to write."""
-    if not (os.path.isdir(SHM) and os.access(SHM, os.W_OK)):
+    if (shm := shared_memory()) is None:
         return None
-    d = os.path.join(SHM, "ft-train-snapshots")
+    d = os.path.join(shm, "ft-train-snapshots")
     try:
         os.makedirs(d, exist_ok=True)
     except OSError:
@@ -71,16 +71,32 @@ def write(blob: Any) -> str | None:
 def link(path: str) -> tuple[str, memoryview] | None:
     """A name of this process's own for the file at `path`, and a read-only map of it; None
     where the file is not in this host's shared directory (a rank on another host)."""
-    d = directory()
-    if d is None or os.path.dirname(path) != d:
+    if not _here(path):
         return None
-    mine = _new_name(d)
+    mine = _new_name(os.path.dirname(path))
     try:
         os.link(path, mine)
         return mine, open_map(mine)
     except OSError:
         unlink(mine)
         return None
+
+
+def open_held(path: str) -> memoryview | None:
+    """A holder's file, mapped read-only, where this host has it; None where it does not (another
+    host's, or dropped since)."""
+    if not _here(path):
+        return None
+    try:
+        return open_map(path)
+    except OSError:
+        return None
+
+
+def _here(path: str) -> bool:
+    """Whether `path` names a file of this host's shared directory (if it exists)."""
+    d = directory()
+    return d is not None and os.path.dirname(path) == d
 
 
 def open_map(path: str) -> memoryview:

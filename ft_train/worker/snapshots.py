@@ -341,10 +341,8 @@ class RankSnapshots:
     def _held_blob(self, piece: dict[str, Any]) -> Buffer:
         """A copy's bytes: from the holder's file (`piece_files`) where this host has it, else
         from the holder over Dask's comms."""
-        if piece.get("path") and (d := piece_files.directory()) is not None:
-            if os.path.dirname(piece["path"]) == d:
-                with contextlib.suppress(OSError):  # another host's, or dropped since
-                    return piece_files.open_map(piece["path"])
+        if piece.get("path") and (blob := piece_files.open_held(piece["path"])) is not None:
+            return blob
         key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
         answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
         status = answer.get("status") if isinstance(answer, dict) else repr(answer)
