@@ -1,6 +1,7 @@
 """A node's disk stays flat however often its ranks restore: the checkpoint download cache
-(`download_cache`, behind `Checkpoint.as_directory`) and the staging directories of
-`ft_train.staging_dir` and of asynchronous uploads (`uploads`) are evicted.
+(`download_cache`, behind `Checkpoint.as_directory`), the staging directories of
+`ft_train.staging_dir` and of asynchronous uploads (`uploads`), and the directories of the
+snapshot rounds ranks restored (`snapshots`) are evicted, a killed rank's included.
 
 Remote checkpoints live on fsspec's `memory://` (in-process, so `as_directory` takes the download
 path without Dask), and on the loopback S3 endpoint where another process must see them. The
@@ -29,8 +30,10 @@ from ft_train.storage.checkpoint import Checkpoint
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
-from ft_train.worker import download_cache
+from ft_train.worker import download_cache, piece_files
+from ft_train.worker.flat_state import pack
 from ft_train.worker.session import Session
+from ft_train.worker.snapshots import RESTORED, RankSnapshots
 from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
 from tests.test_storage_invariants import commit_round, rank_spec, write_tree
@@ -260,3 +263,53 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
     assert disk_bytes(cache) <= knobs.DOWNLOAD_CACHE_KEEP * (2 * FILE_BYTES + 1024)
     with ft_train.staging_dir():  # the node's next staging sweeps the dead process's
         assert disk_bytes(node / STAGING) == 0
+
+
+# A rank process that restored a snapshot round (its piece read from the holder's file on this
+# host) and is killed (SIGKILL) while the round's directory is in use: it never removes it.
+KILLED_RESTORING_RANK = """
+import json, os, signal, sys, tempfile
+from ft_train.worker.snapshots import RankSnapshots
+a = json.loads(sys.argv[1])
+tempfile.tempdir = a["node"]
+snapshots = RankSnapshots("run", a["attempt"], 0, 1, [], 1)  # never closed
+with snapshots.restored(a["round"]).as_directory() as d:
+    print(sorted(os.listdir(d)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_ranks_restored_snapshot_is_removed_by_the_next_restore(node):
+    blob = pack(lambda d: Path(d, "model.pt").write_bytes(b"r" * FILE_BYTES))
+    if (path := piece_files.write(blob)) is None:
+        pytest.skip("no writable /dev/shm: without a holder's file a restore needs Dask")
+    piece = {"holder": "tcp://127.0.0.1:9", "path": path, "attempt_id": "a0", "rank": 0}
+    round_26 = {
+        "attempt_id": "a0",
+        "index": 26,
+        "pieces": [piece | {"index": 26, "kind": "snapshot"}],
+    }
+    try:
+        for attempt in ("a1", "a2", "a3"):  # a rank killed with its restored round open, 3 times
+            args = dict(node=str(node), attempt=attempt, round=round_26)
+            proc = subprocess.run(
+                [sys.executable, "-c", KILLED_RESTORING_RANK, json.dumps(args)],
+                cwd=REPO,
+                env=dict(os.environ, PYTHONPATH=REPO),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+            assert proc.stdout.strip() == "['model.pt']", proc.stdout + proc.stderr
+            # each restore swept the round its killed predecessor left: only the last one's is left
+            assert disk_bytes(node) == FILE_BYTES, sorted(os.listdir(node))
+
+        snapshots = RankSnapshots("run", "a4", 0, 1, [], 1)  # the node's next rank
+        with snapshots.restored(round_26).as_directory() as d:
+            assert Path(d, "model.pt").read_bytes() == b"r" * FILE_BYTES
+            assert disk_bytes(node) == FILE_BYTES  # its own round only
+        snapshots.close()
+        assert disk_bytes(node) == 0 and os.listdir(node) == [RESTORED]
+    finally:
+        piece_files.unlink(path)

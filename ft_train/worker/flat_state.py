@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .journal import journal_root
+from .uploads import process_dir
 
 MAGIC = b"FTSTATE1"
 _PREFIX = struct.Struct("<II")  # CRC-32, header length (after MAGIC)
@@ -106,13 +107,14 @@ class FlatStager:
 
 
 def _scratch() -> str:
-    """Where a snapshot is written before it is packed: memory where the node has it."""
-    return os.path.dirname(journal_root())
+    """Where a snapshot is written before it is packed: memory where the node has it, in a
+    directory of this process's own (a killed rank's is swept)."""
+    return process_dir(os.path.join(os.path.dirname(journal_root()), "ft-train-packing"))
 
 
 def pack(save: Callable[[str], Any]) -> memoryview:
     """Call `save` into a fresh directory and return what it wrote as one zip blob."""
-    d = tempfile.mkdtemp(prefix="ft-train-snapshot-", dir=_scratch())
+    d = tempfile.mkdtemp(dir=_scratch())
     try:
         save(d)
         buf = io.BytesIO()

@@ -55,6 +55,9 @@ from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
 from . import piece_files
 from .journal import run_key
+from .uploads import process_dir
+
+RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
 if TYPE_CHECKING:
     from .flat_state import FlatStager
@@ -305,7 +308,8 @@ class RankSnapshots:
         copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
         for piece in snapshot["pieces"]:
             copies.setdefault(piece["rank"], []).append(piece)
-        out = tempfile.mkdtemp(prefix="ft-train-restored-")
+        # under a directory of this process's own, so that a killed rank's is swept
+        out = tempfile.mkdtemp(dir=process_dir(os.path.join(tempfile.gettempdir(), RESTORED)))
         try:
             for rank in sorted(copies, reverse=True):
                 self._fetch(snapshot, copies[rank])(out)

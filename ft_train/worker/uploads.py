@@ -252,7 +252,7 @@ def claim_dir(root: str) -> tuple[str, int]:
 # -- staging_dir: where a rank writes a checkpoint before report() -----------------------------
 
 RAM_ROOTS = ("/dev/shm",)  # memory-backed filesystems, where they exist
-_process_dirs: dict[str, str] = {}  # staging root -> this process's directory (locked until exit)
+_process_dirs: dict[str, str] = {}  # root -> this process's directory (locked until exit)
 _process_dirs_lock = threading.Lock()
 
 
@@ -273,19 +273,25 @@ def staging_dir(size_bytes: int | None = None) -> Iterator[str]:
             "int >= 0), or None for a directory on disk"
         )
     root = os.path.join(_ram_root(size_bytes) or tempfile.gettempdir(), STAGING)
+    path = tempfile.mkdtemp(prefix="checkpoint-", dir=process_dir(root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def process_dir(root: str) -> str:
+    """This process's directory under `root` (`claim_dir`), the same for its lifetime: what a
+    killed process left in its own is removed by the next process that claims one there."""
     with _process_dirs_lock:
         if root not in _process_dirs:
             try:  # the lock's fd stays open with the process
                 _process_dirs[root] = claim_dir(root)[0]
             except OSError:  # the root is another user's: a directory of our own, unswept
                 _process_dirs[root] = tempfile.mkdtemp(
-                    prefix=STAGING + "-", dir=os.path.dirname(root)
+                    prefix=os.path.basename(root) + "-", dir=os.path.dirname(root)
                 )
-    path = tempfile.mkdtemp(prefix="checkpoint-", dir=_process_dirs[root])
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+        return _process_dirs[root]
 
 
 def _ram_root(size_bytes: int | None) -> str | None:
