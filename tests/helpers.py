@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -13,6 +18,7 @@ from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
 
 DEMO = demo.TRAIN_LOOP
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def run_config(storage, name, max_failures=0, **kw) -> ft_train.RunConfig:
@@ -107,3 +113,18 @@ def events_of(name: str) -> list:
             limit=50,
         )
     return sorted(page.events, key=lambda e: e.occurred)
+
+
+def run_killed(script: str, args: dict) -> subprocess.CompletedProcess:
+    """Run `script` (Python source) with `args` as JSON in argv[1], in a process of its own that
+    must end by SIGKILL (the script kills itself where a real fault would strike)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(args)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    return proc

@@ -10,11 +10,7 @@ node's temporary directory is the test's, so every byte counted is ft-train's.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import uuid
@@ -36,9 +32,9 @@ from ft_train.worker.session import Session
 from ft_train.worker.snapshots import RESTORED, RankSnapshots
 from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
+from tests.helpers import run_killed
 from tests.test_storage_invariants import commit_round, rank_spec, write_tree
 
-REPO = str(Path(__file__).resolve().parents[1])
 FILE_BYTES = 4096  # two files a checkpoint: 8 KiB
 
 
@@ -239,15 +235,7 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
     storage = Storage(target.path, target.options)
     ckpts = commit_plain(storage, "killed", knobs.DOWNLOAD_CACHE_KEEP + 3, tmp_path)
     args = dict(node=str(node), urls=[c.path for c in ckpts[:2]], options=target.options)
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_RANK, json.dumps(args)],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    run_killed(KILLED_RANK, args)
     cache = node / download_cache.CACHE
     left = {download_cache.key_of(c.path) for c in ckpts[:2]}
     assert left <= cache_entries(node)
@@ -292,15 +280,7 @@ def test_a_killed_ranks_restored_snapshot_is_removed_by_the_next_restore(node):
     try:
         for attempt in ("a1", "a2", "a3"):  # a rank killed with its restored round open, 3 times
             args = dict(node=str(node), attempt=attempt, round=round_26)
-            proc = subprocess.run(
-                [sys.executable, "-c", KILLED_RESTORING_RANK, json.dumps(args)],
-                cwd=REPO,
-                env=dict(os.environ, PYTHONPATH=REPO),
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+            proc = run_killed(KILLED_RESTORING_RANK, args)
             assert proc.stdout.strip() == "['model.pt']", proc.stdout + proc.stderr
             # each restore swept the round its killed predecessor left: only the last one's is left
             assert disk_bytes(node) == FILE_BYTES, sorted(os.listdir(node))

@@ -9,18 +9,13 @@ loopback S3 endpoint (the `storage` fixture).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.driver import prepare
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.run_state import RunStore
-from tests.helpers import fresh, load_state
+from tests.helpers import fresh, load_state, run_killed
 from tests.test_storage_invariants import (
     commit_round,
     merged,
@@ -31,7 +26,6 @@ from tests.test_storage_invariants import (
     stored_names,
 )
 
-REPO = str(Path(__file__).resolve().parents[1])
 NOOP = "tests.test_storage_invariants:noop_train_loop"
 ATTEMPT_0, ATTEMPT_1 = "0a" * 16, "1b" * 16
 
@@ -86,15 +80,7 @@ def crash_a_driver(target, name: str, work: Path) -> None:
         a1=ATTEMPT_1,
     )
     work.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASHED_DRIVER, json.dumps(args)],
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    run_killed(CRASHED_DRIVER, args)
 
 
 def start_driver(target, name: str, cfg: CheckpointConfig, logged: list[str]) -> prepare.RunPlan:
