@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .journal import journal_root
+from .journal import shared_memory
 from .uploads import process_dir
 
 MAGIC = b"FTSTATE1"
@@ -109,7 +109,7 @@ class FlatStager:
 def _scratch() -> str:
     """Where a snapshot is written before it is packed: memory where the node has it, in a
     directory of this process's own (a killed rank's is swept)."""
-    return process_dir(os.path.join(os.path.dirname(journal_root()), "ft-train-packing"))
+    return process_dir(os.path.join(shared_memory() or tempfile.gettempdir(), "ft-train-packing"))
 
 
 def pack(save: Callable[[str], Any]) -> memoryview:
