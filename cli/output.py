@@ -47,7 +47,7 @@ def print_summary(result: TrainResult, out: TextIO = sys.stdout) -> None:
         )
         note = "" if f.charged else ", not charged to max_failures"
         print(f"    - {f.kind}{where}: {f.error} (attempt {f.attempt}{note})", file=out)
-    w("metrics", fmt_metrics(result.metrics) if result.metrics else "none reported")
+    w("metrics", fmt_metrics(result.last_metrics) if result.last_metrics else "none reported")
     if result.error is not None:
         w("error", headline(result.error))
     out.flush()

@@ -79,7 +79,9 @@ def train_fn(
             if why is e:
                 raise
             raise why from None  # the Ctrl+C itself, not the error Prefect raised in its place
-    return finalize(plan, view)
+    result = finalize(plan, view)
+    result.return_value = controller.return_value  # rank 0's, in memory: never through Prefect
+    return result
 
 
 def scheduled(run: ft_train.RunConfig) -> ft_train.RunConfig:

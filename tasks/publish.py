@@ -49,7 +49,7 @@ class RunEvents(Callback):
         emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
 
     def on_failure(self, failure: FailureRecord) -> None:
-        self._emit("failure", failure.model_dump(mode="json", exclude={"time"}))
+        self._emit("failure", failure.model_dump(mode="json", exclude={"time", "traceback"}))
 
     def on_checkpoint_committed(self, entry: CheckpointEntry | None, state: RunState) -> None:
         self._emit(

@@ -22,7 +22,7 @@ from ft_train.driver.cluster import dask_client
 from ft_train.driver.lease import LeaseDoc
 from ft_train.driver.prepare import RunPlan, make_controller
 from ft_train.driver.prepare import prepare_run as _prepare_run
-from ft_train.errors import WorkerGroupError
+from ft_train.errors import AttemptFailed
 
 from .live import LiveView
 from .publish import publish_artifacts
@@ -91,10 +91,11 @@ def provision_workers(
 
 
 def _retry_group_failures(task, task_run, state) -> bool:
-    """Only a worker-group failure is retried; the controller already applied max_failures."""
+    """Only a failed group attempt is retried (`AttemptFailed`); the controller already applied
+    max_failures (a spent budget raises WorkerGroupError, the run's final error: not retried)."""
     try:
         state.result()
-    except WorkerGroupError:
+    except AttemptFailed:
         return True
     except BaseException:
         return False

@@ -1,6 +1,6 @@
 """Bad input: each case fails with an error that names the field or file and the fix, before any
 rank starts where the driver can tell, with the run's stored state unchanged, and without spending
-a retry that cannot help (a ConfigError, StorageError or SessionError, never a WorkerGroupError;
+a retry that cannot help (a ConfigError, StorageError or SessionError, never an AttemptFailed;
 a contract broken inside a rank ends the run at once, even with max_failures=3).
 
 Most cases fail before a cluster starts (the flow's parameters are checked before Prefect starts a
@@ -20,7 +20,7 @@ import pytest
 
 import ft_train
 from ft_train.config import CheckpointConfig
-from ft_train.errors import CheckpointDamagedError, WorkerGroupError
+from ft_train.errors import AttemptFailed, CheckpointDamagedError
 from ft_train.storage.checkpoint import MANIFEST
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
@@ -77,7 +77,7 @@ def refused(error: type[BaseException], *words: str, target: StorageTarget):
     before, existed = tree(target), target.kind == "local" and os.path.exists(target.path)
     with pytest.raises(error) as err:
         yield err
-    assert not isinstance(err.value, WorkerGroupError)
+    assert not isinstance(err.value, (AttemptFailed, ft_train.WorkerGroupError))
     if target.kind == "local":
         assert os.path.exists(target.path) == existed  # not even an empty directory
     message = str(err.value)
@@ -508,7 +508,7 @@ def test_nan_and_infinite_metrics_are_stored_as_strings_that_read_back(local):
         "nested": {"x": "nan"},
     }
     assert result.status == "finished"
-    assert json.loads(json.dumps(result.metrics)) == expected  # lists come back as tuples
+    assert json.loads(json.dumps(result.last_metrics)) == expected  # lists come back as tuples
 
     def strict(raw: bytes):
         return json.loads(raw, parse_constant=lambda c: pytest.fail(f"{c} in stored JSON"))
@@ -518,4 +518,4 @@ def test_nan_and_infinite_metrics_are_stored_as_strings_that_read_back(local):
     assert state["checkpoints"][0]["metrics"] == expected
     manifest = strict(st.read_bytes(f"diverged/{state['latest']}/{MANIFEST}"))
     assert manifest["metrics"] == expected
-    assert ft_train.TrainResult.from_path(local.path, "diverged").metrics == expected
+    assert ft_train.TrainResult.from_path(local.path, "diverged").last_metrics == expected

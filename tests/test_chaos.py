@@ -511,13 +511,13 @@ def test_two_dozen_faults_of_every_kind_end_bit_identical_to_a_fault_free_run(
     for c in state.checkpoints:
         assert c.metrics["resumed_from"] == (restored_step[c.attempt] or None), c
     assert state.driver_runs == 2
-    assert result.metrics["step"] == STEPS
-    assert result.metrics["resumed_from"] == expected[-1].restore_step
+    assert result.last_metrics["step"] == STEPS
+    assert result.last_metrics["resumed_from"] == expected[-1].restore_step
 
     # Bit-identical to the fault-free run: weights, optimizer state, data position, metrics.
     assert_identical(final_state(result), final_state(reference))
-    assert result.metrics["loss"] == reference.metrics["loss"]
-    assert result.metrics["val_accuracy"] == reference.metrics["val_accuracy"]
+    assert result.last_metrics["loss"] == reference.metrics["loss"]
+    assert result.last_metrics["val_accuracy"] == reference.metrics["val_accuracy"]
 
 
 if __name__ == "__main__":  # the driver of phase 1, in its own process (see start_driver)

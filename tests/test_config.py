@@ -302,7 +302,13 @@ EXAMPLES = {
     "StorageError": ("s3://b/r/run_state.json is not valid JSON",),
     "CheckpointDamagedError": ("s3://b/r/c/model.pt does not match its manifest", "s3://b/r/c"),
     "SessionError": ("report() takes a dict",),
-    "WorkerGroupError": ("rank 1 raised at step 7: boom", FAILURE),
+    "AttemptFailed": ("rank 1 raised at step 7: boom", FAILURE),
+    "WorkerGroupError": (
+        "training failed: 2 failures exceed max_failures=1",
+        {1: errors.RankError("ValueError: boom", "Traceback ...", 1, 7)},
+        [FAILURE],
+    ),
+    "RankError": ("ValueError: boom", "Traceback (most recent call last): ...", 1, 7, "exception"),
     "WorkerStartupError": ("2 of 4 workers arrived in 120s",),
     "RunLockedError": ("run 'x' is being trained by another driver (pid 7 on node-1)",),
     "TrainingFailedError": ("training failed: 4 failures exceed max_failures=3", [FAILURE]),
@@ -339,9 +345,18 @@ def test_exception_tree():
             assert issubclass(getattr(errors, name), errors.FtTrainError), name
     assert issubclass(errors.TrainLoopImportError, errors.ConfigError)
     assert issubclass(errors.ConfigError, ValueError)
-    assert str(errors.WorkerGroupError("rank 1 died", FAILURE)) == "rank 1 died"
-    assert errors.WorkerGroupError("rank 1 died", FAILURE).failure == FAILURE
+    assert str(errors.AttemptFailed("rank 1 died", FAILURE)) == "rank 1 died"
+    assert errors.AttemptFailed("rank 1 died", FAILURE).failure == FAILURE
+    assert not issubclass(errors.AttemptFailed, errors.TrainingFailedError)  # retried, not final
+    assert "AttemptFailed" not in ft_train.__all__  # the retry signal is internal
     assert errors.TrainingFailedError("failed").failures == []
+    # Ray's: the final error of a budget spent on worker failures is a TrainingFailedError
+    assert issubclass(errors.WorkerGroupError, errors.TrainingFailedError)
+    lost = errors.RankError("worker tcp://w:1: process died", "", 0, 3, "process_death")
+    spent = errors.WorkerGroupError("spent", {0: lost})
+    assert str(spent) == "spent" and spent.worker_failures == {0: lost} and spent.failures == []
+    assert lost.type_name == "" and str(lost) == "worker tcp://w:1: process died"
+    assert errors.RankError("ValueError: boom").type_name == "ValueError"
 
 
 @pytest.mark.parametrize("n", [0, (0, 2), (3, 2), -1])

@@ -22,7 +22,7 @@ from ft_train.controller import (
     Restarting,
     Running,
 )
-from ft_train.errors import RunLockedError, SessionError, TrainingFailedError, WorkerGroupError
+from ft_train.errors import AttemptFailed, RunLockedError, SessionError, TrainingFailedError
 from ft_train.protocol import Report, Reported
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
@@ -182,7 +182,7 @@ def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make,
     monkeypatch.setattr(knobs, "REPORT_DRAIN_TIMEOUT_S", 0.05)
     ctl, _, _ = make(max_failures=1)
     started(ctl).returned(reports=3)
-    with pytest.raises(WorkerGroupError, match="never reached the driver"):
+    with pytest.raises(AttemptFailed, match="never reached the driver"):
         ctl.run_segment()
     assert ctl.state.failures[-1].kind == "exception"
 
@@ -193,7 +193,7 @@ def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make,
 def test_a_rank_that_raised_is_charged_and_its_worker_killed_first(make):
     ctl, _, rec = make(max_failures=1)
     group = started(ctl).raised(1, "ValueError: boom", step=3)
-    with pytest.raises(WorkerGroupError, match="rank 1 failed"):
+    with pytest.raises(AttemptFailed, match="rank 1 failed"):
         ctl.run_segment()
     assert isinstance(ctl.current, Restarting)
     (failure,) = ctl.state.failures
@@ -207,7 +207,7 @@ def test_a_restart_after_a_failure_starts_from_the_latest_checkpoint(make):
     group = started(ctl).report(1, checkpoint=True)
     ctl.run_segment()
     group.raised(0, "boom", step=1)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     nxt = started(ctl)
     assert nxt.attempt == 1 and nxt.started_from == (ctl.state.latest, 1)
@@ -228,7 +228,7 @@ def test_a_peer_that_lost_its_connection_waits_for_the_cause(make):
     assert isinstance(go(ctl), Running) and ctl.current.attempt.suspect.rank == 0
     cluster.lost_kinds[group.addresses[1]] = "process_death"
     group.lost(1)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     failure = ctl.state.failures[-1]
     assert (failure.kind, failure.rank) == ("process_death", 1)
@@ -237,7 +237,7 @@ def test_a_peer_that_lost_its_connection_waits_for_the_cause(make):
 def test_a_suspect_with_no_cause_in_sight_is_charged_itself(make):
     ctl, _, _ = make(max_failures=1)
     started(ctl).raised(0, "RuntimeError: Connection reset by peer", step=4)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].rank) == ("exception", 0)
 
@@ -246,7 +246,7 @@ def test_a_collective_that_timed_out_blames_the_rank_it_waited_for(make):
     ctl, _, _ = make(max_failures=1)
     group = started(ctl).report(1).report(2, ranks=[0]).report(3, ranks=[0])
     group.raised(0, "RuntimeError: Timed out waiting for recv", step=3)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     failure = ctl.state.failures[-1]
     assert (failure.kind, failure.rank, failure.step) == ("hang", 1, 1)
@@ -257,7 +257,7 @@ def test_a_worker_the_scheduler_dropped_silently_is_found_when_its_peer_is_judge
     group = started(ctl).raised(0, "RuntimeError: Connection closed by peer", step=2)
     cluster.workers.remove(group.addresses[1])  # gone, with no event yet
     cluster.lost_kinds[group.addresses[1]] = "node_loss"
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     failure = ctl.state.failures[-1]
     assert (failure.kind, failure.rank) == ("node_loss", 1)
@@ -275,7 +275,7 @@ def test_a_worker_the_scheduler_dropped_silently_is_found_when_its_peer_is_judge
 def test_a_rank_task_that_ended_without_raising_itself_is_charged_by_how(make, how, kind):
     ctl, _, _ = make(max_failures=1)
     started(ctl).ended(1, **how)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     assert (ctl.state.failures[-1].kind, ctl.state.failures[-1].rank) == (kind, 1)
 
@@ -283,7 +283,7 @@ def test_a_rank_task_that_ended_without_raising_itself_is_charged_by_how(make, h
 def test_a_rank_silent_past_the_watchdog_is_hung(make):
     ctl, _, _ = make(max_failures=1, hang_timeout_s=0.05)
     started(ctl).joined().report(1).report(2, ranks=[0])
-    with pytest.raises(WorkerGroupError, match="hang"):
+    with pytest.raises(AttemptFailed, match="hang"):
         ctl.run_segment()
     failure = ctl.state.failures[-1]
     assert (failure.kind, failure.rank, failure.step) == ("hang", 1, 1)
@@ -299,7 +299,7 @@ def test_the_watchdog_counts_from_the_rank_heard_from_least_recently(make):
     group.report(1, ranks=[0])  # rank 0, heard from first, is heard from again
     go(ctl)
     began = time.monotonic()
-    with pytest.raises(WorkerGroupError, match="hang"):
+    with pytest.raises(AttemptFailed, match="hang"):
         ctl.run_segment()
     assert ctl.state.failures[-1].rank == 1
     assert time.monotonic() - began < 0.65  # rank 1's 1 s ran out ~0.3 s after rank 0's report
@@ -308,7 +308,7 @@ def test_the_watchdog_counts_from_the_rank_heard_from_least_recently(make):
 def test_the_budget_spent_ends_the_run_naming_the_setting(make):
     ctl, _, rec = make(max_failures=1)
     started(ctl).raised(0, "boom", step=1)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     started(ctl).raised(1, "boom again", step=1)
     with pytest.raises(TrainingFailedError, match="max_failures=1"):
@@ -321,7 +321,7 @@ def test_unlimited_failures_keep_restarting(make):
     ctl, _, _ = make(max_failures=-1, workers=30)
     for _ in range(10):
         started(ctl).joined().raised(0, "boom", step=0)
-        with pytest.raises(WorkerGroupError):
+        with pytest.raises(AttemptFailed):
             ctl.run_segment()
     assert ctl.state.charged_failures == 10
 
@@ -330,7 +330,7 @@ def test_groups_that_keep_failing_before_their_ranks_join_end_the_run(make):
     ctl, _, _ = make(max_failures=-1, workers=30)
     for _ in range(2):
         started(ctl).raised(0, "rendezvous failed", step=0)
-        with pytest.raises(WorkerGroupError):
+        with pytest.raises(AttemptFailed):
             ctl.run_segment()
     started(ctl).raised(0, "rendezvous failed", step=0)
     with pytest.raises(TrainingFailedError, match="failed to start 3 times in a row"):
@@ -343,7 +343,7 @@ def test_ranks_that_joined_by_their_journals_do_not_count_as_a_failed_start(make
         group = started(ctl)
         group.journals = {0: {"index": 0, "messages": []}, 1: {"index": 0, "messages": []}}
         group.raised(0, "boom", step=0)  # their "started" never reached the driver
-        with pytest.raises(WorkerGroupError):
+        with pytest.raises(AttemptFailed):
             ctl.run_segment()
     assert ctl.start_failures == 0 and ctl.state.charged_failures == 4
 
@@ -371,7 +371,7 @@ def test_the_snapshot_round_is_chosen_once_the_restarts_workers_are_placed(
     group = started(ctl)
     cluster.snapshots = [held(group.attempt_id, rank, 5) for rank in (0, 1)]
     group.raised(0, "boom", step=6)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     if lost_while_placing:
         cluster.while_placing = lambda: cluster.snapshots.pop()  # rank 1's only copy
@@ -391,7 +391,7 @@ def test_a_round_whose_last_report_died_with_its_rank_is_committed_from_the_jour
     # rank 1 returned from report 4 (no files) and was killed with it still queued
     group.journals = {1: {"index": 4, "messages": []}}
     group.lost(1)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     assert ctl.state.report_index == 4 and ctl.state.latest.startswith("checkpoint_000004")
     assert ctl.state.failures[-1].step == 4  # the failure's step is exact too
@@ -404,7 +404,7 @@ def test_an_async_upload_that_never_finished_leaves_its_round_uncommitted(make):
     intent = {"rank": 1, "index": 4, "dir_name": "checkpoint_000004-a0-x", "upload": "pending"}
     group.journals = {1: {"index": 4, "messages": [intent]}}
     group.lost(1)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     assert ctl.state.latest is None
 
@@ -485,7 +485,7 @@ def test_a_lost_lease_stops_the_ranks_and_writes_nothing(make):
 def test_events_of_a_stopped_group_are_ignored(make):
     ctl, cluster, _ = make(max_failures=1, workers=4)
     old = started(ctl).raised(0, "boom", step=0)
-    with pytest.raises(WorkerGroupError):
+    with pytest.raises(AttemptFailed):
         ctl.run_segment()
     started(ctl)
     old.raised(1, "late", step=0)

@@ -98,5 +98,5 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
     result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
     assert result.status == "finished"
     assert result.checkpoint is not None and len(result.best_checkpoints) >= 1
-    assert "step" in result.metrics
+    assert "step" in result.last_metrics
     assert result.failures == []

@@ -112,14 +112,14 @@ def test_driver_killed_after_second_checkpoint_resumes_bit_identical(
     if sig == signal.SIGKILL:  # a different name in the same place starts fresh
         other = train_demo(storage, "other", demo_config(epochs=1, checkpoint_every=5))
         assert load_state(storage, "other").attempts[0].restored_from is None
-        assert other.failures == [] and other.metrics["resumed_from"] is None
+        assert other.failures == [] and other.last_metrics["resumed_from"] is None
 
     # The same name resumes from the second checkpoint; max_failures=0 is not spent by it.
     resumed = train_demo(storage, "victim", config, max_failures=0)
     state = load_state(storage, "victim")
     assert resumed.status == "finished"
     assert state.attempts[-1].restored_from == killed.latest
-    assert resumed.metrics["resumed_from"] == 10
+    assert resumed.last_metrics["resumed_from"] == 10
     kind = "driver_crash" if sig == signal.SIGKILL else "driver_interrupt"
     assert [(f.kind, f.charged) for f in resumed.failures] == [(kind, False)]
     if sig == signal.SIGKILL:  # nothing told Prefect that the killed driver's flow run ended

@@ -27,8 +27,8 @@ def test_one_worker_per_gpu_with_nccl(tmp_path):
     # gpu_probe raises on any rank that does not see exactly one GPU through
     # CUDA_VISIBLE_DEVICES with an NCCL process group; max_failures=0 turns that into a failure.
     assert result.status == "finished"
-    assert result.metrics["world"] == n and result.metrics["device"].startswith("cuda")
-    assert result.metrics["cvd"] == "0"  # rank 0 runs on the worker of GPU 0
+    assert result.last_metrics["world"] == n and result.last_metrics["device"].startswith("cuda")
+    assert result.last_metrics["cvd"] == "0"  # rank 0 runs on the worker of GPU 0
 
 
 def test_demo_resumes_after_a_rank_failure_on_gpu(tmp_path):
@@ -41,7 +41,7 @@ def test_demo_resumes_after_a_rank_failure_on_gpu(tmp_path):
     result = train_demo(storage, "gpu-demo", config, max_failures=1, workers=n, use_gpu=True)
     assert result.status == "finished"
     assert [f.kind for f in result.failures] == ["exception"]
-    assert result.metrics["resumed_from"] == 5
+    assert result.last_metrics["resumed_from"] == 5
 
 
 # -- each rank on its own GPU, whatever the cluster shows its workers --------------------------
@@ -77,7 +77,7 @@ def gpu_ranks(tmp_path, name, cluster=None) -> list[dict]:
         cluster=cluster or ft_train.ClusterConfig(),
     )
     assert result.status == "finished", result.error
-    ranks = result.metrics["ranks"]
+    ranks = result.last_metrics["ranks"]
     assert len({r["uuid"] for r in ranks}) == len(ranks) == n, ranks  # a GPU each
     return ranks
 
@@ -137,4 +137,4 @@ def test_fsdp_with_sharded_checkpoints_on_gpu(tmp_path):
         ),
     )
     assert result.status == "finished", result.error
-    assert result.metrics["restored_exact"] is True
+    assert result.last_metrics["restored_exact"] is True

@@ -138,7 +138,7 @@ def test_lost_worker_of_rank_1_is_replaced_and_the_run_resumes(storage, tmp_path
         storage, name, demo_config([hold]), scaling=scaling, max_failures=1, preload=["wave"]
     )
     chaos.join(timeout=10)
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert result.status == "finished" and result.last_metrics["resumed_from"] == 5
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("node_loss", 1)
     # the scheduler's own signal: detected at once, not after a collective or watchdog timeout
@@ -179,7 +179,7 @@ def test_a_lost_worker_is_charged_even_when_the_schedulers_word_of_it_is_late(
     result = cluster.train(
         storage, "late-word", demo_config([hold]), scaling=scaling, max_failures=1
     )
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert result.status == "finished" and result.last_metrics["resumed_from"] == 5
     assert [(f.kind, f.rank) for f in result.failures] == [("node_loss", 1)]
     assert {"w0", "w2"} <= set(cluster.workers())  # the new group's
 
@@ -214,7 +214,7 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
     # the same report within AGREE_EVERY_MAX of it; the loop saved a just-in-time checkpoint
     # there (an extra report, unless that step checkpointed anyway) that was committed before
     # w0 left, and the run resumed from it
-    learned = result.metrics["resumed_from"]
+    learned = result.last_metrics["resumed_from"]
     assert 9 <= learned <= 8 + AGREE_EVERY_MAX
     jit_index = learned if learned % config["checkpoint_every"] == 0 else learned + 1
     jit = state.attempts[1].restored_from
@@ -295,7 +295,7 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(
     state = load_state(storage, f"retired-{close}")
     jit = state.attempts[1].restored_from
     assert jit is not None and jit.startswith("checkpoint_000010-a0-")
-    assert result.metrics["resumed_from"] == 9
+    assert result.last_metrics["resumed_from"] == 9
     # w0 was let go once the checkpoint was committed, not when its notice ran out
     assert time.monotonic() - retired_at[0] < 60
     wait_for(lambda: "w0" not in cluster.workers(), 30, "w0 to leave")

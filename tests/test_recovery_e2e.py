@@ -137,8 +137,8 @@ def test_a_killed_driver_is_rerun_and_resumes_from_its_checkpoint(database, requ
     assert rerun["parameters"]["run_config"]["name"] == name
     assert rerun["parameters"]["train_loop_config"]["faults"] == [hold]  # the same parameters
     result = ft_train.TrainResult.from_path(runs, name)
-    assert result.status == "finished" and result.metrics["step"] == 20
-    assert result.metrics["resumed_from"] == 10
+    assert result.status == "finished" and result.last_metrics["step"] == 20
+    assert result.last_metrics["resumed_from"] == 10
     assert [(f.kind, f.charged) for f in result.failures] == [("driver_crash", False)]
     assert checkpoint.rsplit("/", 1)[-1].startswith("checkpoint_000010-")
     if database == "postgresql":  # the server stored both runs there, not in a SQLite file
@@ -243,5 +243,5 @@ def test_the_scheduler_starts_runs_named_after_their_slots(deployed, tmp_path):
         assert flow_run["deployment_id"] == nightly["id"]
         assert flow_run["auto_scheduled"] is True  # the scheduler's, not ours
         result = ft_train.TrainResult.from_path(runs, name)
-        assert result.status == "finished" and result.metrics["step"] == 10
-        assert result.metrics["resumed_from"] == 0  # trained from scratch, not the other's
+        assert result.status == "finished" and result.last_metrics["step"] == 10
+        assert result.last_metrics["resumed_from"] == 0  # trained from scratch, not the other's

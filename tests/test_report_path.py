@@ -615,9 +615,9 @@ def test_async_checkpoints_commit_and_a_rank_killed_mid_upload_restarts_from_a_c
     # intact (async_loop checks them).
     restored = state.attempts[1].restored_from
     assert restored.startswith(("checkpoint_000003-a0-", "checkpoint_000006-a0-"))
-    assert result.metrics["resumed_from"] == state.attempts[1].start_report_index
+    assert result.last_metrics["resumed_from"] == state.attempts[1].start_report_index
     # finish() waited for the last upload: the final checkpoint is committed
-    assert state.latest.startswith("checkpoint_000012-a1-") and result.metrics["step"] == 12
+    assert state.latest.startswith("checkpoint_000012-a1-") and result.last_metrics["step"] == 12
     assert [c.report_index for c in state.checkpoints][-2:] == [9, 12]
     assert_committed_and_nothing_else(storage, name, state)
 

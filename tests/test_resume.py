@@ -219,9 +219,11 @@ def test_a_finished_demo_run_refuses_more_epochs_by_default_and_trains_on_when_a
 
     name = f"extend-{storage.kind}"  # flow runs of both storages share one Prefect API
     first = train_demo(storage, name, demo_config(epochs=1))
-    assert first.status == "finished" and first.metrics["epoch"] == 1
-    steps = first.metrics["step"]
-    assert train_demo(storage, name, demo_config(epochs=1)).metrics == first.metrics  # unchanged
+    assert first.status == "finished" and first.last_metrics["epoch"] == 1
+    steps = first.last_metrics["step"]
+    assert (
+        train_demo(storage, name, demo_config(epochs=1)).last_metrics == first.last_metrics
+    )  # unchanged
     before = files(storage, name)
 
     with pytest.raises(ConfigError, match="train_loop_config.epochs: 1 -> 2") as e:
@@ -236,9 +238,9 @@ def test_a_finished_demo_run_refuses_more_epochs_by_default_and_trains_on_when_a
         run_config=run_config(storage, name, allow_train_loop_change=True),
     )
     assert result.status == "finished" and result.error is None
-    assert result.metrics["epoch"] == 2 and result.metrics["step"] == 2 * steps
-    assert result.metrics["resumed_from"] == steps  # the final checkpoint of epoch 1
-    assert result.metrics["val_accuracy"] > first.metrics["val_accuracy"] - 0.05
+    assert result.last_metrics["epoch"] == 2 and result.last_metrics["step"] == 2 * steps
+    assert result.last_metrics["resumed_from"] == steps  # the final checkpoint of epoch 1
+    assert result.last_metrics["val_accuracy"] > first.last_metrics["val_accuracy"] - 0.05
     state = load_state(storage, name)
     assert state.status == "finished" and state.report_index == 2 * steps
     assert state.config["train_loop_config"]["epochs"] == 2 and state.driver_runs == 2

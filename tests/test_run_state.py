@@ -176,7 +176,7 @@ def test_result_from_path_of_a_finished_run(storage, tmp_path):
         storage.path, name, storage_options=storage.options, checkpoint_config=cfg
     )
 
-    assert result.metrics == {"loss": 0.4, "step": 4, "epoch": 2}
+    assert result.last_metrics == {"loss": 0.4, "step": 4, "epoch": 2}
     assert result.status == "finished" and result.error is None
     assert result.path == f"{storage.path}/{name}"
     assert result.checkpoint.path == f"{storage.path}/{name}/{names[3]}"  # the latest
@@ -203,7 +203,7 @@ def test_result_from_path_of_a_failed_run(storage, tmp_path):
 
     result = ft_train.TrainResult.from_path(storage.path, name, storage_options=storage.options)
 
-    assert result.metrics == {"loss": 1.5}  # the latest checkpoint's, with no final metrics
+    assert result.last_metrics == {"loss": 1.5}  # the latest checkpoint's, with no final metrics
     assert result.checkpoint.path.endswith(f"/{latest}")
     assert isinstance(result.error, ft_train.TrainingFailedError)
     assert "max_failures" in str(result.error)

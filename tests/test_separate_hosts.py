@@ -164,7 +164,7 @@ def test_a_host_cut_off_the_network_is_lost_within_worker_ttl_and_the_run_recove
     threading.Thread(target=cut_host_a, daemon=True).start()
     result = hosts.train(storage, "cut", demo_config([hold]), max_failures=1)
 
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert result.status == "finished" and result.last_metrics["resumed_from"] == 5
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("node_loss", 0)
     # Only the heartbeats tell: the scheduler checks them every worker-ttl, so a worker silent

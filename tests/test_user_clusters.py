@@ -34,7 +34,7 @@ def trains_the_demo(tmp_path, name: str, cluster) -> ft_train.TrainResult:
     storage = StorageTarget("local", str(tmp_path / "runs"))
     result = train_demo(storage, name, demo_config(), cluster=cluster)
     assert result.status == "finished", result.error
-    assert result.metrics["step"] == 12 and not result.failures, result
+    assert result.last_metrics["step"] == 12 and not result.failures, result
     return result
 
 
@@ -316,7 +316,7 @@ def test_every_rank_carries_torchruns_variables(tmp_path, live):
         run_config=ft_train.RunConfig(name="torchrun", storage_path=str(tmp_path)),
         cluster=ft_train.ClusterConfig(cluster=live),
     )
-    ranks = result.metrics["ranks"]
+    ranks = result.last_metrics["ranks"]
     assert len(ranks) == 2
     for r in ranks:
         rank, local_rank, world, local_world, node = r["truth"]

@@ -45,8 +45,8 @@ def test_rank_failure_resumes_from_latest_checkpoint(storage, tmp_path, kind):
     assert restored is not None and restored.startswith("checkpoint_000005-a0-")
     assert state.attempts[1].start_report_index == 5
     # the training function itself saw the checkpoint of step 5, not a fresh start
-    assert result.metrics["resumed_from"] == 5
-    assert result.metrics["step"] == 12
+    assert result.last_metrics["resumed_from"] == 5
+    assert result.last_metrics["step"] == 12
     assert result.checkpoint.path.endswith(state.latest)
     if kind == "raise":
         assert_prefect_shows_segments_and_the_retry(name, len(state.checkpoints))
@@ -104,7 +104,7 @@ def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, 
         scaling_config=ft_train.ScalingConfig(num_workers=2),
     )
     assert result.status == "finished"
-    assert result.metrics["resumed_from"] == 5
+    assert result.last_metrics["resumed_from"] == 5
     assert load_state(storage, "budget-0").driver_runs == 2  # the refused call was no driver
 
 
@@ -127,7 +127,7 @@ def test_unlimited_failures_survive_five(storage, tmp_path):
     result = train_demo(storage, "budget-inf", demo_config(faults), max_failures=-1)
     assert result.status == "finished"
     assert [f.step for f in result.failures] == [1, 3, 6, 8, 11]
-    assert result.metrics["step"] == 12
+    assert result.last_metrics["step"] == 12
 
 
 def test_errors_no_retry_can_fix_fail_at_once(storage):
@@ -207,7 +207,7 @@ def test_a_callable_train_loop_works_in_a_python_call(storage):
             name="callable", storage_path=storage.path, storage_options=storage.options
         ),
     )
-    assert result.status == "finished" and result.metrics == {"i": 19}
+    assert result.status == "finished" and result.last_metrics == {"i": 19}
     assert result.checkpoint is None
 
 
@@ -229,7 +229,7 @@ def recovered_from_hang(storage, name, hang, timeout_s):
             failure_config=ft_train.FailureConfig(max_failures=1, hang_timeout_s=timeout_s),
         ),
     )
-    assert result.status == "finished" and result.metrics["resumed_from"] == 5
+    assert result.status == "finished" and result.last_metrics["resumed_from"] == 5
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("hang", 1)
     hung_at = os.path.getmtime(hang["marker"])
@@ -290,7 +290,7 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_run_restores_from_the_on
 
     result = train_demo(storage, name, config, max_failures=0)
     assert result.status == "finished"
-    assert result.metrics["resumed_from"] == 3  # not 6, whose files do not match its manifest
+    assert result.last_metrics["resumed_from"] == 3  # not 6, whose files do not match its manifest
     state = load_state(storage, name)
     dropped = state.failures[-1]
     assert not dropped.charged and f"checkpoint {damaged} dropped" in dropped.error, dropped

@@ -3,15 +3,18 @@
 `step()` makes one transition and returns the next state; `_set_state` is the one place a
 transition takes effect. `run_segment()` steps until the next committed checkpoint (one Prefect
 task run), the end of training, or a failure the caller retries: a charged failure raises
-`WorkerGroupError` (Prefect's task retry calls `run_segment` again, which restarts the group
+`AttemptFailed` (Prefect's task retry calls `run_segment` again, which restarts the group
 from the latest committed checkpoint); an uncharged one (a preemption, a damaged checkpoint
-dropped) restarts at once. Decisions come from `ft_train.policy`; the cluster is behind
-`ports.Cluster`, so a test drives the controller with fakes.
+dropped) restarts at once. A failure the policy does not retry raises the run's final error
+(`WorkerGroupError` once max_failures is spent on worker failures). Decisions come from
+`ft_train.policy`; the cluster is behind `ports.Cluster`, so a test drives the controller with
+fakes.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +24,11 @@ from typing import Any, Literal
 from .. import knobs
 from ..config import FailureConfig
 from ..errors import (
+    AttemptFailed,
     FtTrainError,
     RunLockedError,
     SessionError,
     TrainingFailedError,
-    WorkerGroupError,
 )
 from ..policy import failure as failure_policy
 from ..protocol import GroupEvent, LeaseLost, Report, Reported
@@ -80,6 +83,9 @@ class Controller:
         self.current: State = Restarting()
         self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}
+        # What the training function returned on rank 0, once every rank returned (Ray's
+        # `Result.return_value`): in memory only, it need not be JSON.
+        self.return_value: Any = None
         self.dead_workers: set[str] = set()  # killed or lost: never given a rank again
         self.snapshots = SnapshotTier()  # which in-memory rounds a restart may take
         self._run_uri = plan.storage.uri(plan.name)
@@ -259,6 +265,7 @@ class Controller:
 
     def _finished(self, attempt: Attempt) -> State:
         attempt.group.release()
+        self.return_value = self._return_value(attempt)
         attempt.group.read_journals()  # every report arrived: the journals only take room now
         self.cluster.drop_snapshots(self._run_uri)  # and the snapshots
         self.state.status = "finished"
@@ -269,6 +276,23 @@ class Controller:
             f"training finished after {attempt.rounds.last_index} steps: {_fmt(self.last_metrics)}"
         )
         return Finished()
+
+    def _return_value(self, attempt: Attempt) -> Any:
+        """Rank 0's return value, pickled on its worker (`ft_train.worker.rank`); None if it
+        returned None. One that cannot be unpickled here (its class cannot be imported by the
+        driver) is given up with a warning: training itself finished."""
+        pickled = attempt.done.get(0, {}).get("return_value")
+        if pickled is None:
+            return None
+        try:
+            return pickle.loads(pickled)  # cloudpickle's output is plain pickle
+        except Exception as e:
+            self.warn(
+                f"the training function's return value on rank 0 cannot be unpickled by the "
+                f"driver ({type(e).__name__}: {e}); result.return_value is None: make its class "
+                "importable where the flow runs"
+            )
+            return None
 
     def drain(self, s: GroupState) -> State:
         """Every rank returned from its training function: check they reported alike."""
@@ -298,8 +322,17 @@ class Controller:
             self._commit(rnd, " (recovered from the ranks' journals)")
         return set(attempt.progress) | {r for r, j in journals.items() if "index" in j}
 
-    def fail(self, s: State, rank: int, kind: str, error: str, step: int | None = None) -> State:
-        """Stop the group, record the failure, and go where the failure policy says."""
+    def fail(
+        self,
+        s: State,
+        rank: int,
+        kind: str,
+        error: str,
+        step: int | None = None,
+        traceback: str = "",
+    ) -> State:
+        """Stop the group, record the failure (with the rank's `traceback` text, where it
+        raised), and go where the failure policy says."""
         seen = now()  # the record's time: when the failure was seen, not when the ranks stopped
         attempt = s.attempt  # type: ignore[union-attr]
         address = attempt.group.addresses[rank]
@@ -323,6 +356,7 @@ class Controller:
                 error=error,
                 attempt=attempt.group.attempt,
                 time=seen,
+                traceback=traceback,
             )
         )
 
@@ -351,20 +385,21 @@ class Controller:
                 else f"{type(error).__name__}: {error}"
             )
             self.state.status, self.state.error = "failed", text
+            self.state.error_type = type(error).__name__
             self.store.save(self.state)
             self.cluster.drop_snapshots(self._run_uri)
         else:
             self._stop_now()
         return Errored(error)
 
-    def _retry_error(self, failure: FailureRecord) -> WorkerGroupError:
+    def _retry_error(self, failure: FailureRecord) -> AttemptFailed:
         max_failures = self.failure_config.max_failures
         budget = (
             "unlimited"
             if max_failures == -1
             else f"{self.state.charged_failures} of {max_failures}"
         )
-        return WorkerGroupError(
+        return AttemptFailed(
             f"rank {failure.rank} failed ({failure.kind}) at step {failure.step}: {failure.error}. "
             f"Restarting from the newest in-memory snapshot still held, if newer than step "
             f"{self.state.report_index}, else from {self.state.latest or 'scratch'} (failure "

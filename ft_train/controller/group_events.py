@@ -141,7 +141,7 @@ def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) ->
         return _snapshot_unusable(ctl, s, rank, exc)
     state = ctl.state
     if exc.damaged is None or exc.damaged != ctl.manager.latest_uri(state):
-        return ctl.fail(s, rank, "exception", exc.error, step=exc.step)
+        return ctl.fail(s, rank, "exception", exc.error, step=exc.step, traceback=exc.traceback)
     earlier = [c for c in state.checkpoints if c.dir_name != state.latest]
     if not earlier:  # nothing to fall back to: a failure like any other
         return ctl.fail(
@@ -151,6 +151,7 @@ def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) ->
             f"{exc.error}; no earlier checkpoint is kept (raise "
             "run_config.checkpoint_config.num_to_keep to keep one)",
             step=exc.step,
+            traceback=exc.traceback,
         )
     return _fall_back(ctl, s, rank, exc, earlier)
 

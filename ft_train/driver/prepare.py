@@ -294,7 +294,7 @@ def _resume(
         )
     elif state.status in ("failed", "finished"):  # finished: trains on with a changed config
         state.budget_start = len(state.failures)  # a new flow run gets a fresh failure budget
-    state.status, state.error = "running", None
+    state.status, state.error, state.error_type = "running", None, None
     spent = driver_restarts_spent(state, run_config.failure_config)
     if spent is not None:
         state.status, state.error = "failed", str(spent)

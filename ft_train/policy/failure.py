@@ -10,7 +10,7 @@ import enum
 
 from .. import knobs
 from ..config import FailureConfig
-from ..errors import TrainingFailedError
+from ..errors import RankError, TrainingFailedError, WorkerGroupError
 from ..storage.run_state import FailureRecord, RunState
 
 
@@ -61,12 +61,26 @@ def final_error(
     else:
         count, listed = state.charged_failures, [f for f in recent if f.charged]
         budget = f"max_failures={config.max_failures}"
-    return TrainingFailedError(
+    message = (
         f"training failed: {count} failures exceed {budget} "
         f"(run_config.failure_config.{budget.split('=')[0]}). "
-        f"Failures:\n{describe(listed)}",
-        [f.model_dump(mode="json") for f in recent],
+        f"Failures:\n{describe(listed)}"
     )
+    recorded = [f.model_dump(mode="json") for f in recent]
+    if failure.kind == "preemption":
+        return TrainingFailedError(message, recorded)
+    return WorkerGroupError(message, worker_failures(state.failures, failure.attempt), recorded)
+
+
+def worker_failures(failures: list[FailureRecord], attempt: int) -> dict[int, RankError]:
+    """Ray's `WorkerGroupError.worker_failures`: the charged failures of the attempt `attempt`
+    (the last one, whose failure spent the budget), by rank, each rebuilt as a RankError.
+    ft-train blames one rank per attempt, so this holds that rank's."""
+    return {
+        f.rank: RankError(f.error, f.traceback, f.rank, f.step, f.kind)
+        for f in failures
+        if f.attempt == attempt and f.charged and f.rank is not None
+    }
 
 
 def preemptions(state: RunState) -> int:

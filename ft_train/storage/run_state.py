@@ -29,7 +29,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .. import knobs
 from ..errors import StorageError
@@ -64,6 +64,11 @@ class _Doc(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# The end of a rank's traceback that a failure record keeps: enough for the frames that raised,
+# and a run that fails often (max_failures=-1) keeps a run state of bounded growth.
+TRACEBACK_CHARS = 4000
+
+
 class FailureRecord(_Doc):
     kind: FailureKind
     rank: int | None = None
@@ -72,6 +77,14 @@ class FailureRecord(_Doc):
     time: datetime = Field(default_factory=now)
     attempt: int = 0
     charged: bool = True  # counts toward max_failures
+    # The rank's traceback text, where it raised (its last TRACEBACK_CHARS): what
+    # `WorkerGroupError.worker_failures` rebuilds the exception from.
+    traceback: str = ""
+
+    @field_validator("traceback")
+    @classmethod
+    def _bounded(cls, text: str) -> str:
+        return text[-TRACEBACK_CHARS:]
 
 
 class CheckpointEntry(_Doc):
@@ -110,6 +123,9 @@ class RunState(_Doc):
     driver_runs: int = 0
     final_metrics: dict[str, Any] | None = None
     error: str | None = None
+    # The class of the error the run failed with (e.g. "WorkerGroupError"), so that a result read
+    # back from storage raises the same kind; None: a TrainingFailedError.
+    error_type: str | None = None
     created_at: datetime = Field(default_factory=now)
     updated_at: datetime = Field(default_factory=now)
 

@@ -253,6 +253,22 @@ def _damaged(error: BaseException) -> str | None:
     return None
 
 
+def _pickled(value: Any) -> bytes:
+    """`value` pickled here, for the driver (`Controller.return_value`): pickled by Dask with the
+    task's result instead, a value that cannot be pickled would lose the result, and the driver
+    would take the rank for dead. SessionError (never retried): a restart would return the same."""
+    from distributed.protocol import pickle
+
+    try:
+        return pickle.dumps(value)
+    except Exception as e:
+        raise SessionError(
+            f"the training function returned a {type(value).__name__} on rank 0, which cannot be "
+            f"pickled ({type(e).__name__}: {e}); return plain data (numbers, strings, lists, "
+            "dicts, tensors), or save the object in a checkpoint and return nothing"
+        ) from None
+
+
 def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> dict[str, Any]:
     """The Dask task of one rank. Returns a summary; raises RankFailure if the function raised."""
     import torch.distributed as dist
@@ -268,9 +284,12 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
         journal.joined(spec.start_report_index)  # the driver counts it as started
         session.send(Started(spec.rank))  # the hang watchdog starts here
         with _torchrun_environ(spec):
-            call_train_loop(fn, spec.config)
+            returned = call_train_loop(fn, spec.config)
         session.finish()  # waits for the pending uploads
-        return {"rank": spec.rank, "reports": session.report_index}
+        summary: dict[str, Any] = {"rank": spec.rank, "reports": session.report_index}
+        if spec.rank == 0 and returned is not None:  # Ray's `Result.return_value`: rank 0's
+            summary["return_value"] = _pickled(returned)
+        return summary
     except GroupStop:  # the driver stopped the group (to resize it); this process stays
         session.stopped()
         return {"rank": spec.rank, "reports": session.report_index, "stopped": True}
