@@ -24,6 +24,8 @@ constructor arguments in `args`, and carries plain data only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class FtTrainError(Exception):
     """Root of every error ft-train raises on purpose."""
@@ -105,11 +107,11 @@ class WorkerGroupError(TrainingFailedError):
     def __init__(
         self,
         error_message: str,
-        worker_failures: dict[int, Exception] | None = None,
+        worker_failures: Mapping[int, Exception] | None = None,
         failures: list[dict] | None = None,
     ):
         FtTrainError.__init__(self, error_message, worker_failures, failures)
-        self.worker_failures = dict(worker_failures or {})
+        self.worker_failures: dict[int, Exception] = dict(worker_failures or {})
         self.failures = failures or []
 
 

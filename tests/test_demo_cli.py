@@ -199,7 +199,7 @@ def test_demo_exits_1_with_the_error_when_the_failure_budget_is_spent(
     assert run.returncode == 1, out
     assert "Run 'cli-spent' failed." in out, out
     assert re.search(r"status +failed", out), out
-    assert re.search(r"error: TrainingFailedError: .*max_failures=0", out), out
+    assert re.search(r"error: WorkerGroupError: .*max_failures=0", out), out
     # only the rank's traceback; ft-train's and Prefect's internals stay out of the console
     assert traceback_endings(out) == [f"{INJECTED} 2"], out
     assert RunStore(Storage(store), "cli-spent").load().status == "failed"
