@@ -14,8 +14,9 @@ Ray Train's `Result` names mean what they mean in Ray:
                         scheme (s3://...), which `from_path` takes back
     error               the run's TrainingFailedError (WorkerGroupError when max_failures was
                         spent on worker failures); None unless it failed
-    return_value        rank 0's return value of the training function, on the flow's result of
-                        a run that finished; None from `from_path` (never stored)
+    return_value        rank 0's return value of the training function, on the result of the
+                        flow call that finished the run; None from `from_path` and from a call
+                        that trained nothing (the run had finished): it is never stored
     from_path(path)     the result of the run at `path`
 
 ft-train's own: `last_metrics` (the last report of a finished run, else the latest

@@ -1,13 +1,15 @@
 """The flow's result and errors with Ray's meaning, on 2 CPU ranks: a run whose max_failures is
 spent on a rank that raises every time ends with `WorkerGroupError` (a TrainingFailedError) whose
 `worker_failures` holds the rebuilt exception by rank, also read back with `from_path(path)`; a
-run that finishes returns rank 0's return value, and `metrics` is its latest checkpoint's.
+run that finishes returns rank 0's return value, and `metrics` is its latest checkpoint's; a
+return value that cannot be pickled ends the run at once, naming the fix.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -42,6 +44,12 @@ def returns_a_value(config):
         ft_train.report({"step": 1, "loss": 0.5}, checkpoint=checkpoint)
     ft_train.report({"step": 2, "loss": 0.25})
     return {"rank": rank, "weights": torch.full((2,), float(rank)), "seen": {1, 2}}
+
+
+def returns_a_lock(config):
+    """Rank 0 returns what cannot be pickled."""
+    ft_train.report({"step": 1})
+    return threading.Lock()
 
 
 def flow(storage, name, loop, max_failures):
@@ -93,3 +101,10 @@ def test_a_finished_run_returns_rank_0s_return_value(storage):
     assert result.last_metrics == {"step": 2, "loss": 0.25}
     assert [m for _, m in result.best_checkpoints] == [{"step": 1, "loss": 0.5}]
     assert ft_train.TrainResult.from_path(result.path).return_value is None  # never stored
+
+
+@on_storage("local")
+def test_a_return_value_that_cannot_be_pickled_fails_the_run_without_a_retry(storage):
+    with pytest.raises(ft_train.SessionError, match="cannot be pickled.*return plain data"):
+        flow(storage, "lock", returns_a_lock, max_failures=1)
+    assert len(load_state(storage, "lock").attempts) == 1  # a retry would return the same
