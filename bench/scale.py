@@ -44,7 +44,7 @@ from typing import Any
 
 import ft_train
 from ft_train.controller import Callback, Controller, GroupPlan
-from ft_train.errors import WorkerGroupError
+from ft_train.errors import AttemptFailed
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
@@ -167,7 +167,7 @@ def _teardown(ctl: Controller, cluster: SimCluster, ranks: int) -> float:
     thread.start()
     try:
         ctl.run_segment()
-    except WorkerGroupError:
+    except AttemptFailed:
         pass
     else:
         raise RuntimeError("the lost rank did not fail the group")
