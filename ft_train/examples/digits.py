@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ft_train
 import ft_train.torch
@@ -119,18 +119,27 @@ def train_loop(config: dict[str, Any]) -> None:
                 return
 
 
-def make_loader(
-    train_set: TensorDataset, config: dict[str, Any], seed: int
-) -> ft_train.torch.ShardedLoader:
-    """The rank's shard of the training set, shuffled the same way on every rank and resume."""
+def make_loader(train_set: TensorDataset, config: dict[str, Any], seed: int) -> DataLoader:
+    """The rank's shard of the training set, shuffled the same way on every rank and resume.
+    A DistributedSampler of its own (kept by prepare_data_loader), not `shuffle=True`: at one
+    rank, as after an elastic shrink, a loader keeps its own sampler, and a RandomSampler's
+    order would not follow the epoch."""
+    ctx = ft_train.get_context()
+    sampler = DistributedSampler(
+        train_set,
+        num_replicas=ctx.get_world_size(),
+        rank=ctx.get_world_rank(),
+        shuffle=True,
+        seed=seed,
+    )
     loader = DataLoader(
         train_set,
         batch_size=config.get("batch_size", 64),
-        shuffle=True,
+        sampler=sampler,
         num_workers=config.get("loader_workers", 0),
         generator=torch.Generator().manual_seed(seed),  # keeps the global RNG for dropout alone
     )
-    return ft_train.torch.prepare_data_loader(loader, seed=seed)
+    return ft_train.torch.prepare_data_loader(loader)
 
 
 def restore(model, optimizer, rank: int) -> tuple[int, int, int]:
