@@ -67,7 +67,13 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from .errors import ConfigError
 from .worker.session import get_context
@@ -215,6 +221,17 @@ def prepare_data_loader(
     the constructor's parameter names (DataLoader keeps every argument as an attribute), rather
     than copied and patched: DataLoader refuses a new sampler once built, and a subclass (as
     StatefulDataLoader) sets itself up from its arguments in its constructor."""
+    samplers = _sampling(data_loader, add_dist_sampler, seed)
+    loader = _rebuild(data_loader, _prepared_class(type(data_loader)), samplers)
+    device = get_device() if move_to_device else torch.device("cpu")
+    loader._ft_device = None if device.type == "cpu" else device
+    loader._ft_non_blocking = auto_transfer
+    return loader
+
+
+def _sampling(data_loader: DataLoader, add_dist_sampler: bool, seed: int) -> dict[str, Any]:
+    """The sampling arguments of the prepared loader: this rank's DistributedSampler where
+    `prepare_data_loader` adds one, else the loader's own sampler or batch sampler."""
     ctx = get_context()
     sampler, batch_sampler = data_loader.sampler, _custom_batch_sampler(data_loader)
     iterable = isinstance(data_loader.dataset, IterableDataset)
@@ -231,13 +248,13 @@ def prepare_data_loader(
                 f"({type(batch_sampler).__name__}), which cannot be sharded for it: build it "
                 "over a DistributedSampler yourself and pass add_dist_sampler=False"
             )
-        if not isinstance(sampler, (SequentialSampler, torch.utils.data.RandomSampler)):
-            if ctx.get_world_rank() == 0:
-                logger.warning(
-                    "prepare_data_loader: the loader's %s is replaced with a DistributedSampler "
-                    "(as Ray does); pass add_dist_sampler=False to keep it",
-                    type(sampler).__name__,
-                )
+        custom = not isinstance(sampler, (SequentialSampler, RandomSampler))
+        if custom and ctx.get_world_rank() == 0:
+            logger.warning(
+                "prepare_data_loader: the loader's %s is replaced with a DistributedSampler "
+                "(as Ray does); pass add_dist_sampler=False to keep it",
+                type(sampler).__name__,
+            )
         sampler = DistributedSampler(
             data_loader.dataset,
             num_replicas=ctx.get_world_size(),
@@ -246,15 +263,9 @@ def prepare_data_loader(
             seed=seed,
         )
     if batch_sampler is not None:  # then batch_size and drop_last must be left at their defaults
-        samplers: dict[str, Any] = {"batch_sampler": batch_sampler}
-    else:
-        batching = {"batch_size": data_loader.batch_size, "drop_last": data_loader.drop_last}
-        samplers = batching if iterable else {"sampler": sampler, **batching}
-    device = get_device() if move_to_device else torch.device("cpu")
-    loader = _rebuild(data_loader, _prepared_class(type(data_loader)), samplers)
-    loader._ft_device = None if device.type == "cpu" else device
-    loader._ft_non_blocking = auto_transfer
-    return loader
+        return {"batch_sampler": batch_sampler}
+    batching = {"batch_size": data_loader.batch_size, "drop_last": data_loader.drop_last}
+    return batching if iterable else {"sampler": sampler, **batching}
 
 
 class _Prepared:
@@ -287,12 +298,16 @@ class _Prepared:
         return map(functools.partial(_to, self._ft_device, self._ft_non_blocking), batches)
 
 
-@functools.cache
+_PREPARED: dict[type, type] = {}  # a loader class -> its prepared subclass, made once
+
+
 def _prepared_class(cls: type) -> type:
-    """`cls` with `_Prepared`'s additions (made once per class; a prepared loader's own)."""
+    """`cls` with `_Prepared`'s additions (a prepared loader's class is its own)."""
     if issubclass(cls, _Prepared):
         return cls
-    return type(f"Prepared{cls.__name__}", (_Prepared, cls), {"__module__": __name__})
+    if cls not in _PREPARED:
+        _PREPARED[cls] = type(f"Prepared{cls.__name__}", (_Prepared, cls), {"__module__": __name__})
+    return _PREPARED[cls]
 
 
 def _custom_batch_sampler(loader: DataLoader) -> Any:
