@@ -38,7 +38,8 @@ checkpoint, every rank its own file, and load it on resume, before the epoch's f
     if (checkpoint := ft_train.get_checkpoint()) is not None:
         with checkpoint.as_directory() as d:
             state = torch.load(os.path.join(d, f"rank{rank}.pt"))
-        model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
         epoch = state["epoch"]
         loader.load_state_dict(state["loader"])  # the next iter() goes on after the saved batch
     while epoch < epochs:
