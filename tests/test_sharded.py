@@ -1,5 +1,5 @@
 """GPUs done right, tested on CPU: which device each rank takes (`pick_device`, a pure function of
-what the ranks on a host see), FSDP through `prepare_model(parallel_strategy="fsdp")` on gloo,
+what the ranks on a host see), FSDP2 through `prepare_model(parallel_strategy="fsdp2")` on gloo,
 and the torch.distributed.checkpoint recipe: every rank saves its shard through `report()`, a
 restore after a failure reads them back bit-exactly and training goes on as if uninterrupted.
 """
@@ -82,7 +82,7 @@ def fsdp_dcp(config):
     rank = ft_train.get_context().get_world_rank()
     torch.manual_seed(1 if ft_train.get_checkpoint() else 0)  # a restore must not rely on it
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    model = ft_train.torch.prepare_model(net, parallel_strategy="fsdp")
+    model = ft_train.torch.prepare_model(net, parallel_strategy="fsdp2")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     step, exact = 0, None
     if (checkpoint := ft_train.get_checkpoint()) is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ft_train
 import ft_train.torch
@@ -73,7 +73,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rank = ft_train.get_context().get_world_rank()
 
     train_set, val_set = datasets()
-    loader = make_loader(train_set, config, seed)
+    loader, sampler = make_loader(train_set, config, seed)
     torch.manual_seed(seed)  # the same initial weights on every rank
     net = build_model(config.get("hidden", 128), config.get("dropout", 0.1))
     model = ft_train.torch.prepare_model(net)
@@ -86,7 +86,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     loss_fn = nn.CrossEntropyLoss()
     while epoch < epochs:
-        loader.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # the epoch's order, the same after a restart
         for i, (x, y) in enumerate(loader):
             if i < batch:
                 continue  # already trained on before the checkpoint we resumed from
@@ -121,16 +121,27 @@ def train_loop(config: dict[str, Any]) -> None:
 
 def make_loader(
     train_set: TensorDataset, config: dict[str, Any], seed: int
-) -> ft_train.torch.ShardedLoader:
-    """The rank's shard of the training set, shuffled the same way on every rank and resume."""
+) -> tuple[DataLoader, DistributedSampler]:
+    """The rank's shard of the training set, shuffled the same way on every rank and resume,
+    and its sampler. A DistributedSampler of its own (kept by prepare_data_loader), not
+    `shuffle=True`: at one rank, as after an elastic shrink, a loader keeps its own sampler,
+    and a RandomSampler's order would not follow the epoch."""
+    ctx = ft_train.get_context()
+    sampler: DistributedSampler = DistributedSampler(
+        train_set,
+        num_replicas=ctx.get_world_size(),
+        rank=ctx.get_world_rank(),
+        shuffle=True,
+        seed=seed,
+    )
     loader = DataLoader(
         train_set,
         batch_size=config.get("batch_size", 64),
-        shuffle=True,
+        sampler=sampler,
         num_workers=config.get("loader_workers", 0),
         generator=torch.Generator().manual_seed(seed),  # keeps the global RNG for dropout alone
     )
-    return ft_train.torch.prepare_data_loader(loader, seed=seed)
+    return ft_train.torch.prepare_data_loader(loader), sampler
 
 
 def restore(model, optimizer, rank: int) -> tuple[int, int, int]:
