@@ -141,3 +141,13 @@ def prepare_data_loader(loader: DataLoader, seed: int = 0) -> ShardedLoader:
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
     )
     return ShardedLoader(rebuilt, sampler, get_device())
+
+
+def __getattr__(name: str) -> Any:
+    # Ray Train's `ray.train.torch` names that ft-train does not offer: refused naming what to
+    # use instead (`ft_train.ray_names`).
+    import sys
+
+    from . import ray_names
+
+    return ray_names.module_attribute(sys.modules[__name__], name)
