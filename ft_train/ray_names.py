@@ -48,10 +48,6 @@ REFUSED: dict[str, dict[str, str]] = {
             "checkpoints are written straight to `ft_train.RunConfig.storage_path` (any fsspec "
             "URL, with `ft_train.RunConfig.storage_options`): there is nothing to sync"
         ),
-        "CheckpointConsistencyMode": (
-            "ft-train has no checkpoint validation: `ft_train.get_all_reported_checkpoints` "
-            "returns committed checkpoints; call it without consistency_mode"
-        ),
         "ControllerError": (
             "ft-train's controller is the driver, a Prefect flow run: its crash never fails the "
             "run, the next flow run with the same `ft_train.RunConfig.name` resumes it, within "
@@ -108,10 +104,6 @@ REFUSED: dict[str, dict[str, str]] = {
             "Ray deprecated it: use torch.autocast and torch.amp.GradScaler in the training "
             "function, and loss.backward()"
         ),
-        "enable_reproducibility": (
-            "seed torch, random and numpy yourself in the training function, and call "
-            "torch.use_deterministic_algorithms(True)"
-        ),
     },
     "RunConfig": {
         "storage_filesystem": (
@@ -130,8 +122,7 @@ REFUSED: dict[str, dict[str, str]] = {
         "logging_config": (
             "ft-train logs through Python's logging: set the level of the 'ft_train' logger"
         ),
-        "sync_config": f"{_RAY_TUNE}; checkpoints go straight to "
-        "`ft_train.RunConfig.storage_path`",
+        "sync_config": f"{_RAY_TUNE}; checkpoints go straight to `ft_train.RunConfig.storage_path`",
         "verbose": f"{_RAY_TUNE}; set the level of the 'ft_train' logger",
         "stop": f"{_RAY_TUNE}; return from the training function to stop",
         "progress_reporter": f"{_RAY_TUNE}; progress shows in the Prefect UI and "
@@ -198,12 +189,7 @@ REFUSED: dict[str, dict[str, str]] = {
     },
     "TrainResult": {
         "config": (
-            "Ray deprecated it (a Ray Tune notion): keep the config you passed as "
-            "train_loop_config"
-        ),
-        "filesystem": (
-            "ft-train reaches storage through fsspec: `ft_train.TrainResult.path` is a URL or "
-            "local path; fsspec.url_to_fs(result.path, **storage_options) gives its filesystem"
+            "Ray deprecated it (a Ray Tune notion): keep the config you passed as train_loop_config"
         ),
     },
     "TrainContext": {
