@@ -20,7 +20,7 @@ Each text below says what to use instead; an ft-train name in it is written in b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
@@ -264,8 +264,12 @@ class RefusesRayNames:
 
     __slots__ = ()
 
-    def __getattr__(self, name: str) -> Any:
-        error = refusal(type(self).__name__, name)
-        if error is not None:
-            raise error
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # Hidden from type checkers: to them a class with __getattr__ has every attribute (a typo
+    # would pass, and a result would look awaitable to Prefect's overloads).
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            error = refusal(type(self).__name__, name)
+            if error is not None:
+                raise error
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
