@@ -191,6 +191,12 @@ REFUSED: dict[str, dict[str, str]] = {
         "config": (
             "Ray deprecated it (a Ray Tune notion): keep the config you passed as train_loop_config"
         ),
+        # Also where a property raises AttributeError for it: Python then asks __getattr__.
+        "filesystem": (
+            "ft-train reaches storage through fsspec: `ft_train.TrainResult.path` is a URL or "
+            "local path, and fsspec.core.url_to_fs(result.path, **storage_options) gives its "
+            "filesystem"
+        ),
     },
     "TrainContext": {
         **{
