@@ -49,9 +49,10 @@ REFUSED: dict[str, dict[str, str]] = {
             "URL, with `ft_train.RunConfig.storage_options`): there is nothing to sync"
         ),
         "ControllerError": (
-            "ft-train's controller is the driver, a Prefect flow run: its crash never fails the "
-            "run, the next flow run with the same `ft_train.RunConfig.name` resumes it, within "
-            "`ft_train.FailureConfig.max_driver_restarts`"
+            "ft-train raises `ft_train.WorkerStartupError` when too few workers arrive within "
+            "`ft_train.ScalingConfig.worker_start_timeout_s`; a crash of the driver (a Prefect "
+            "flow run) never fails the run: the next flow run with the same "
+            "`ft_train.RunConfig.name` resumes it"
         ),
         "NCCLHangError": (
             "a rank that makes no report() for `ft_train.FailureConfig.hang_timeout_s` is a "
@@ -163,9 +164,10 @@ REFUSED: dict[str, dict[str, str]] = {
     "FailureConfig": {
         "fail_fast": "Ray deprecated it: give `ft_train.FailureConfig.max_failures`=0",
         "controller_failure_limit": (
-            "ft-train's controller is the driver: driver crashes are counted against "
-            "`ft_train.FailureConfig.max_driver_restarts` (default 3, -1 unlimited; Ray's "
-            "default is -1)"
+            "ft-train has no controller failures to count: a (re)start that finds too few "
+            "workers fails after `ft_train.ScalingConfig.worker_start_timeout_s`, a group that "
+            "fails three times in a row before all its ranks joined ends the run, and rank and "
+            "worker failures count against `ft_train.FailureConfig.max_failures`"
         ),
         "relax_collectives_on_preemption": (
             "ft-train's report() and get_preemption_info() need every rank: a just-in-time "
