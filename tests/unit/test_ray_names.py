@@ -264,7 +264,7 @@ def test_a_refusal_comes_at_import_and_as_a_config_error_from_a_flow_parameter()
     from ft_train.config import parse
 
     with pytest.raises(
-        ConfigError, match=r"run_config\.failure_config: .*max_driver_restarts"
+        ConfigError, match=r"run_config\.failure_config: .*worker_start_timeout_s"
     ) as e:
         parse(
             ft_train.RunConfig,
