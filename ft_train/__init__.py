@@ -4,6 +4,7 @@ This package is the library; it never imports Prefect. The flow lives in `flows.
 """
 
 import importlib
+import sys
 
 from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from .errors import (
@@ -64,4 +65,7 @@ def __getattr__(name: str):
     # `ft_train.torch` imports torch: load it when first used, not with the package.
     if name == "torch":
         return importlib.import_module(".torch", __name__)
-    raise AttributeError(f"module 'ft_train' has no attribute {name!r}")
+    # Ray Train's names: Ray's alias of one of ours, or refused naming what to use instead.
+    from . import ray_names
+
+    return ray_names.module_attribute(sys.modules[__name__], name)

@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from . import run_name
+from . import ray_names, run_name
 from .cluster_config import ClusterConfig
 from .errors import ConfigError
 from .storage import credentials
@@ -45,6 +45,16 @@ _NAME_OR_TEMPLATE = rf"^(?:[A-Za-z0-9]|{_FIELD})(?:[A-Za-z0-9._=+,@:-]|{_FIELD})
 
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Ray Train's fields that ft-train does not offer are refused by name, with what to use
+    # instead (`ray_names`), not as a misspelling. Pydantic calls a model's own __init__ also to
+    # validate a dict (a flow parameter, a nested config): there the ConfigError comes wrapped
+    # in a ValidationError, which `parse` unwraps.
+    def __init__(self, **data: Any) -> None:
+        refused = ray_names.refused_field(type(self).__name__, data)
+        if refused is not None:
+            raise ConfigError(refused)
+        super().__init__(**data)
 
 
 class ScalingConfig(_Config):
@@ -288,6 +298,9 @@ def _problem(where: str, about: str | None, error: ErrorDetails) -> str:
         )
     message = error["msg"].removeprefix("Value error, ")
     about = about.rstrip(".") if about else about
+    if isinstance(error.get("ctx", {}).get("error"), ConfigError):
+        # ours: it names the setting and the fix; never the input, which may hold credentials
+        return f"{where}: {message}"
     if message.startswith(where):
         return message  # our own validators name the field and the fix already
     # never echo storage_options: they may hold credentials

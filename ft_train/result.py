@@ -34,6 +34,7 @@ from typing import Any
 from .config import CheckpointConfig
 from .errors import ConfigError, StorageError, TrainingFailedError, WorkerGroupError
 from .policy.failure import worker_failures
+from .ray_names import RefusesRayNames
 from .storage.checkpoint import Checkpoint
 from .storage.checkpoint_manager import score
 from .storage.fs import Storage
@@ -42,7 +43,7 @@ from .storage.run_state import FailureRecord, RunState, RunStore
 
 
 @dataclass
-class TrainResult:
+class TrainResult(RefusesRayNames):
     metrics: dict[str, Any] | None
     checkpoint: Checkpoint | None
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]]

@@ -363,3 +363,13 @@ def _to(device: torch.device, non_blocking: bool, batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to(device, non_blocking, b) for b in batch)
     return batch
+
+
+def __getattr__(name: str) -> Any:
+    # Ray Train's `ray.train.torch` names that ft-train does not offer: refused naming what to
+    # use instead (`ft_train.ray_names`).
+    import sys
+
+    from . import ray_names
+
+    return ray_names.module_attribute(sys.modules[__name__], name)

@@ -175,6 +175,11 @@ def run_dict(local, **fields) -> dict:
             ["scaling_config.num_workers", "1 <= min <= max"],
             id="num_workers-min-over-max",
         ),
+        pytest.param(
+            {"scaling_config": {"num_workers": 2, "resources_per_worker": {"GPU": 1}}},
+            ["scaling_config", "ray.train.ScalingConfig.resources_per_worker", "--resources"],
+            id="ray-resources_per_worker",
+        ),
     ],
 )
 def test_a_bad_setting_is_refused_naming_it_and_the_fix(local, params, words):

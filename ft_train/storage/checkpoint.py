@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointDamagedError, SessionError, StorageError
+from ..ray_names import RefusesRayNames
 from ..worker import download_cache
 from .fs import Storage, file_digest
 
@@ -31,7 +32,7 @@ def _inside(rel: Any) -> bool:
     return not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
-class Checkpoint:
+class Checkpoint(RefusesRayNames):
     """A checkpoint directory: `path` is a local directory or a URL, read with `storage_options`."""
 
     def __init__(self, path: str, storage_options: dict[str, Any] | None = None):

@@ -49,6 +49,7 @@ from typing import Any, Literal
 from .. import knobs
 from ..errors import SessionError, StorageError
 from ..protocol import Message, PreemptionInfo, Report, UploadIntent
+from ..ray_names import RefusesRayNames
 from ..storage.checkpoint import Checkpoint
 from ..storage.checkpoint_manager import checkpoint_dir_name
 from ..storage.fs import Storage
@@ -88,7 +89,7 @@ class RankSpec:
     snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
 
 
-class TrainContext:
+class TrainContext(RefusesRayNames):
     """Where this rank sits in the group. Returned by `ft_train.get_context()`."""
 
     def __init__(self, spec: RankSpec):
