@@ -21,8 +21,8 @@ Ray Train's `Result` names mean what they mean in Ray:
 
 ft-train's own: `last_metrics` (the last report of a finished run, else the latest
 checkpoint's), `metrics_history` (every reported number by step, bounded; `history_dataframe`),
-`failures`, `status`. Ray's `filesystem` (a pyarrow filesystem) is refused: ft-train reads
-storage through fsspec, with the run's `storage_options`.
+`failures`, `status`. Ray's `filesystem` (a pyarrow filesystem) is refused, naming fsspec
+(`ft_train.ray_names`): ft-train reads storage through fsspec, with the run's `storage_options`.
 """
 
 from __future__ import annotations
@@ -67,15 +67,6 @@ class TrainResult(RefusesRayNames):
     def history_dataframe(self) -> Any:
         """`metrics_history` as a pandas DataFrame: every reported number, by step."""
         return _dataframe(self.metrics_history, "history_dataframe")
-
-    @property
-    def filesystem(self) -> Any:
-        raise AttributeError(
-            "TrainResult.filesystem: Ray's is a pyarrow filesystem, and ft-train has none; "
-            "ft-train reads storage through fsspec: fsspec.core.url_to_fs(result.path, "
-            "**storage_options) gives the filesystem, or read checkpoints with "
-            "result.checkpoint.as_directory() / to_directory()"
-        )
 
     def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
         """Ray's: the checkpoint of `best_checkpoints` whose `metric` is highest (`mode="max"`)

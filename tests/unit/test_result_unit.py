@@ -175,7 +175,7 @@ def test_metrics_dataframe_has_a_row_per_kept_checkpoint(tmp_path):
 def test_filesystem_is_refused_naming_what_to_use(tmp_path):
     save(tmp_path, RunState(name="run"))
     result = TrainResult.from_path(tmp_path / "run")
-    with pytest.raises(AttributeError, match="fsspec"):
+    with pytest.raises(ConfigError, match="fsspec"):
         _ = result.filesystem
     assert not hasattr(result, "filesystem")
 
