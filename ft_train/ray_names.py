@@ -6,8 +6,11 @@ Train compatibility"): every Ray name it touches either works with Ray's meaning
 here with a `ConfigError` whose message names what to use instead, never accepted with another
 meaning. Refusals come before any worker starts: at import or attribute access
 (`from ft_train import DataConfig`), or when a config is built (`ScalingConfig(use_tpu=True)`).
-A `ConfigError`, not an `AttributeError`: `from m import x` replaces an AttributeError raised by
-the module with its own "cannot import name", which would drop the alternative.
+A `ConfigError`, not an `AttributeError`, for a module's names: `from m import x` replaces an
+AttributeError raised by the module with its own "cannot import name", which would drop the
+alternative. An instance's refused attribute raises `RayNameRefused`, a ConfigError that is also
+an AttributeError, so that `hasattr()` and `getattr(obj, name, default)` (as libraries probe
+objects) still answer "no".
 
 The list of Ray's names is checked in (`tests/data/ray_train_names.json`, made from the Ray wheel);
 `tests/unit/test_ray_names.py` holds each name on it to working in ft-train, or to a refusal here
@@ -24,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
-__all__ = ["ALIASES", "REFUSED", "RefusesRayNames", "module_attribute", "refusal", "refused_field"]
+__all__ = [
+    "ALIASES",
+    "REFUSED",
+    "RayNameRefused",
+    "RefusesRayNames",
+    "module_attribute",
+    "refusal",
+    "refused_field",
+]
 
 _RAY_DATA = (
     "ft-train has no Ray Data: build a torch DataLoader in the training function and give it to "
@@ -266,6 +277,10 @@ def refused_field(model: str, data: Any) -> str | None:
     return None
 
 
+class RayNameRefused(ConfigError, AttributeError):
+    """An instance attribute of Ray's that ft-train does not offer (`RefusesRayNames`)."""
+
+
 class RefusesRayNames:
     """A base that makes an instance's missing attribute a refusal where Ray's class has it
     (`REFUSED[<the class's name>]`); every other missing attribute stays an AttributeError."""
@@ -279,5 +294,5 @@ class RefusesRayNames:
         def __getattr__(self, name: str) -> Any:
             error = refusal(type(self).__name__, name)
             if error is not None:
-                raise error
+                raise RayNameRefused(str(error))
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
