@@ -141,3 +141,7 @@ def prepare_data_loader(loader: DataLoader, seed: int = 0) -> ShardedLoader:
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
     )
     return ShardedLoader(rebuilt, sampler, get_device())
+
+
+# Ray's ray.train.torch.TorchTrainer; it imports no Prefect (its fit() finds the flow by entry point)
+from .trainer import TorchTrainer as TorchTrainer  # noqa: E402
