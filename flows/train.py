@@ -47,7 +47,8 @@ def train_fn(
     Args:
         train_loop: the training function, as 'package.module:function' (a callable is accepted
             in a Python call); it runs on every rank with `train_loop_config`.
-        run_config: the run's identity (storage_path, name), failure and checkpoint settings.
+        run_config: the run's identity (storage_path, name), failure and checkpoint settings;
+            without a name, the flow run generates one (a new run) and is named so.
         train_loop_config: JSON-serialisable settings passed to the training function.
         scaling_config: how many ranks, CPU or GPU.
         cluster: a local Dask cluster (default), a cluster class ft-train starts, the address
