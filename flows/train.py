@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 import ft_train
 from flows import ephemeral
 from flows.credentials import with_credentials
-from ft_train.config import parse
+from ft_train.config import name_of, parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
 from ft_train.driver.prepare import interrupt_or, loop_config, make_controller, peek
@@ -91,25 +91,28 @@ def named(run: ft_train.RunConfig) -> ft_train.RunConfig:
     every call in it gives the same name, and the flow run is named so (`_flow_run_name`): the
     recovery automation's rerun of a crashed flow run passes that name on, and resumes it."""
     if run.name is None:
-        context = FlowRunContext.get()
-        if context is None or context.flow_run is None:
-            raise ConfigError(
-                "run_config.name is not given, and a name is generated only in a flow run "
-                "(the flow called, or a deployment run): give run_config.name"
-            )
-        made = generate(
-            context.flow_run.id, context.flow_run.created or context.flow_run.expected_start_time
-        )
-        return run.model_copy(update={"name": made})
+        return run.model_copy(update={"name": _generated_name()})
     if is_template(run.name):
         return run.model_copy(update={"name": render(run.name, flow_run.scheduled_start_time)})
     return run
 
 
+def _generated_name() -> str:
+    context = FlowRunContext.get()
+    run = context.flow_run if context is not None else None
+    created = None if run is None else run.created or run.expected_start_time
+    if run is None or created is None:  # a flow run read from the API has both
+        raise ConfigError(
+            "run_config.name is not given, and a name is generated only in a flow run: "
+            "give run_config.name"
+        )
+    return generate(run.id, created)
+
+
 def _flow_run_name() -> str:
     context = FlowRunContext.get()
     run = context.parameters["run_config"] if context and context.parameters else None
-    return named(parse(ft_train.RunConfig, run, "run_config")).name
+    return name_of(named(parse(ft_train.RunConfig, run, "run_config")))
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:

@@ -12,6 +12,7 @@ import pytest
 
 import ft_train
 from cli.main import build_parser
+from ft_train.config import name_of
 from ft_train.errors import ConfigError, TrainLoopImportError
 from ft_train.run_name import GENERATED, generate
 from ft_train.torch import TorchTrainer
@@ -127,3 +128,9 @@ def test_ft_train_run_still_needs_a_name():
     assert exit_.value.code == 2
     args = build_parser().parse_args(["run", "tests.loops:report_many", "--name", "exp-1"])
     assert args.name == "exp-1"
+
+
+def test_the_driver_reads_a_name_given_or_generated_and_none_outside_a_flow_run():
+    assert name_of(ft_train.RunConfig(name="exp-1")) == "exp-1"
+    with pytest.raises(ConfigError, match="generated only in a flow run.*give run_config.name"):
+        name_of(ft_train.RunConfig())
