@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ft_train.config import DEFAULT_STORAGE_PATH, RunConfig
+from ft_train.config import DEFAULT_STORAGE_PATH, RunConfig, name_of
 from ft_train.errors import StorageError
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
@@ -75,7 +75,7 @@ def validation_message(e: ValidationError) -> str:
 def load_state(run_config: RunConfig) -> RunState | None:
     try:
         storage = Storage(run_config.storage_path, run_config.storage_options)
-        return RunStore(storage, run_config.name).load()
+        return RunStore(storage, name_of(run_config)).load()
     except StorageError:
         raise
     except Exception as e:  # fsspec backends raise their own types; say which setting to check

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from ft_train.config import RunConfig
+from ft_train.config import RunConfig, name_of
 from ft_train.driver import resume
 from ft_train.driver.lease import live_holder
 from ft_train.errors import ConfigError, FtTrainError, RunLockedError, StorageError
@@ -61,7 +61,7 @@ def stored_before(config: RunConfig) -> tuple[bool, RunState | None]:
     try:
         before = load_state(config)
         storage = Storage(config.storage_path, config.storage_options)
-        lease = live_holder(storage, config.name) if before is not None else None
+        lease = live_holder(storage, name_of(config)) if before is not None else None
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return False, None
@@ -85,7 +85,7 @@ def refused(params: dict[str, Any], before: RunState | None) -> bool:
         params["scaling_config"],
         config.checkpoint_config,
     )
-    where = Storage(config.storage_path, config.storage_options).uri(config.name)
+    where = Storage(config.storage_path, config.storage_options).uri(name_of(config))
     try:
         resume.check(config, before, wanted, where, lambda msg: None)
     except ConfigError as e:

@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.theme import Theme
 
-from ft_train.config import RunConfig
+from ft_train.config import RunConfig, name_of
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
 
@@ -49,7 +49,7 @@ class StoredProgress:
     `total` if known, its latest checkpoint and failures, while the block runs."""
 
     def __init__(self, config: RunConfig, total: int | None) -> None:
-        self.store = RunStore(Storage(config.storage_path, config.storage_options), config.name)
+        self.store = RunStore(Storage(config.storage_path, config.storage_options), name_of(config))
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),

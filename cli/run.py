@@ -33,7 +33,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "a finished run is shown, not trained again.",
     )
     p.add_argument("train_loop", metavar="MODULE:FUNCTION", help="the training function")
-    p.add_argument("--name", required=True, help="the run's name: the same name resumes it")
+    # Required, though a Python call may leave it out (a name generated per flow run): the same
+    # command must resume the same run, and a generated name would start a new one every time.
+    p.add_argument(
+        "--name", required=True, help="the run's name: the same command, with it, resumes the run"
+    )
     add_storage_args(p)
     p.add_argument(
         "--config",

@@ -3,9 +3,10 @@ installed by `ft-train automations install` (or `install()` here) against a Pref
 
 - `ft-train-rerun/<deployment>` (reactive): a flow run of the deployment that ends Crashed
   starts a new run of it with the same parameters, its `run_config.name` the crashed run's own
-  name (a scheduled run's rendered template), so the new driver resumes the run by name from its
-  latest checkpoint. Crashed: the worker saw the flow process die (SIGKILL, the OOM killer), or
-  the zombie automation below marked it so. Not rerun:
+  name (a scheduled run's rendered template, or the name generated for a run given none), so
+  the new driver resumes the run by name from its latest checkpoint. Crashed: the worker saw
+  the flow process die (SIGKILL, the OOM killer), or the zombie automation below marked it so.
+  Not rerun:
   - a crash before the flow ran (its run count is 0: code missing, a bad import; a rerun would
     crash the same way);
   - a flow run that a driver which took the run over marked Crashed (`tasks.train.TAKEN_OVER`):

@@ -1,4 +1,5 @@
-"""The `ft-train` flow: one flow run is one training run, named after `run_config.name`.
+"""The `ft-train` flow: one flow run is one training run, named after `run_config.name` (a
+template rendered, or, where none is given, a name generated from the flow run: `named()`).
 
 It only sequences the tasks: prepare (take the run's lease, rehydrate by name), provision
 workers, train one segment per checkpoint (a task run each; retries of it are the restarts,
@@ -20,12 +21,12 @@ from prefect.runtime import flow_run
 import ft_train
 from flows import ephemeral
 from flows.credentials import with_credentials
-from ft_train.config import parse
+from ft_train.config import name_of, parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
 from ft_train.driver.prepare import interrupt_or, loop_config, make_controller, peek
 from ft_train.errors import ConfigError
-from ft_train.run_name import is_template, render
+from ft_train.run_name import generate, is_template, render
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from ft_train.worker.rank import load_train_loop
@@ -46,13 +47,14 @@ def train_fn(
     Args:
         train_loop: the training function, as 'package.module:function' (a callable is accepted
             in a Python call); it runs on every rank with `train_loop_config`.
-        run_config: the run's identity (storage_path, name), failure and checkpoint settings.
+        run_config: the run's identity (storage_path, name), failure and checkpoint settings;
+            without a name, the flow run generates one (a new run) and is named so.
         train_loop_config: JSON-serialisable settings passed to the training function.
         scaling_config: how many ranks, CPU or GPU.
         cluster: a local Dask cluster (default), a cluster class ft-train starts, the address
             of an existing one, or (a Python call) a live cluster object.
     """
-    run_config = scheduled(run_config)  # a name template: this flow run's slot's name
+    run_config = named(run_config)  # a template, or no name: this flow run's own
     run_config = with_credentials(run_config)  # after Prefect stored the parameters
     check_fits(cluster, scaling_config)
     check_scheduler(cluster)  # before prepare_run: a wrong address leaves the storage untouched
@@ -84,18 +86,35 @@ def train_fn(
     return result
 
 
-def scheduled(run: ft_train.RunConfig) -> ft_train.RunConfig:
-    """`run` with its name rendered from this flow run's scheduled start time, where the name is
-    a template (`ft_train.run_name`); the flow run is named so too (`_flow_run_name`)."""
-    if not is_template(run.name):
-        return run
-    return run.model_copy(update={"name": render(run.name, flow_run.scheduled_start_time)})
+def named(run: ft_train.RunConfig) -> ft_train.RunConfig:
+    """`run` with the name this flow run trains (`ft_train.run_name`): a template rendered from
+    the flow run's scheduled start time; no name, one generated from the flow run's id and
+    creation time (Ray generates one too). Both are facts of the flow run that never change, so
+    every call in it gives the same name, and the flow run is named so (`_flow_run_name`): the
+    recovery automation's rerun of a crashed flow run passes that name on, and resumes it."""
+    if run.name is None:
+        return run.model_copy(update={"name": _generated_name()})
+    if is_template(run.name):
+        return run.model_copy(update={"name": render(run.name, flow_run.scheduled_start_time)})
+    return run
+
+
+def _generated_name() -> str:
+    context = FlowRunContext.get()
+    run = context.flow_run if context is not None else None
+    created = None if run is None else run.created or run.expected_start_time
+    if run is None or created is None:  # a flow run read from the API has both
+        raise ConfigError(
+            "run_config.name is not given, and a name is generated only in a flow run: "
+            "give run_config.name"
+        )
+    return generate(run.id, created)
 
 
 def _flow_run_name() -> str:
     context = FlowRunContext.get()
     run = context.parameters["run_config"] if context and context.parameters else None
-    return scheduled(parse(ft_train.RunConfig, run, "run_config")).name
+    return name_of(named(parse(ft_train.RunConfig, run, "run_config")))
 
 
 def _nothing_to_train(run: ft_train.RunConfig) -> bool:
@@ -106,8 +125,8 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
     remote storage that cannot be reached (S3: 10 s of retries) would delay the call, then the
     flow's own read would fail after as long again."""
     storage = Storage(run.storage_path, run.storage_options)
-    if not storage.is_local or is_template(run.name):
-        return False
+    if not storage.is_local or run.name is None or is_template(run.name):
+        return False  # the name is the flow run's: a new run, or a template's
     state = peek(run, storage, RunStore(storage, run.name))  # raises for a run that cannot start
     if state is None:
         return run.resume == "must"  # refused

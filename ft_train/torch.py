@@ -373,3 +373,7 @@ def __getattr__(name: str) -> Any:
     from . import ray_names
 
     return ray_names.module_attribute(sys.modules[__name__], name)
+
+
+# Ray's ray.train.torch.TorchTrainer; it imports no Prefect (its fit() finds the flow by entry point)
+from .trainer import TorchTrainer as TorchTrainer  # noqa: E402

@@ -37,6 +37,7 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import ArtifactUpdate
 
 from ft_train import knobs
+from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
 from ft_train.policy.failure import preemptions
@@ -166,7 +167,7 @@ class LiveView(Callback):
         description: str,
         create: Callable[..., Any],
     ) -> None:
-        key = artifact_key(self.plan.run_config.name, what)
+        key = artifact_key(name_of(self.plan.run_config), what)
         if what not in self.ids:
             self.ids[what] = create(data, key=key, description=description)  # sync: a UUID
             return

@@ -25,6 +25,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
+from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
 from ft_train.storage.metric_history import load_history
@@ -44,7 +45,7 @@ class RunEvents(Callback):
         self.plan = plan
 
     def _emit(self, event: str, payload: dict[str, Any]) -> None:
-        name = self.plan.run_config.name
+        name = name_of(self.plan.run_config)
         resource = {"prefect.resource.id": f"ft-train.run.{name}", "prefect.resource.name": name}
         emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
 
@@ -81,7 +82,7 @@ def publish_artifacts(plan: RunPlan, view: LiveView | None = None) -> None:
     here), as artifacts of this flow run."""
     if view is None:
         with contextlib.suppress(Exception):  # a damaged or unreachable history shows empty
-            plan.history = load_history(plan.storage, plan.run_config.name)
+            plan.history = load_history(plan.storage, name_of(plan.run_config))
         view = LiveView(plan)
     view.final()
     state = plan.state

@@ -59,9 +59,12 @@ def test_good_run_names_are_accepted_unchanged(name):
     assert RunConfig(name=name, storage_path="/tmp/runs").name == name
 
 
-def test_run_config_needs_a_name():
-    with pytest.raises(ValidationError, match="name"):
-        RunConfig()
+def test_run_config_without_a_name_leaves_it_to_the_flow_run_but_must_resume_needs_one():
+    """As in Ray, a RunConfig needs no name (the flow run generates one: tests/test_trainer.py);
+    but resume='must' resumes a run by its name, and a generated name is always a new run's."""
+    assert RunConfig().name is None
+    with pytest.raises(ValidationError, match=r"resume='must'.*give the name of the run"):
+        RunConfig(resume="must")
 
 
 # -- storage_path and storage_options --------------------------------------------------------------

@@ -1,13 +1,16 @@
 """The shape of the code: no import circle inside `ft_train`, `ft_train` never imports Prefect nor
 its adapters (it is the library; `flows/`, `tasks/`, `cli/` and `deployments/` sit on the other
-side of the line), and a long module or function says why it is one piece."""
+side of the line) except through the flow's one entry point, and a long module or function says
+why it is one piece."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
+import tomllib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "ft_train"
@@ -122,6 +125,74 @@ def test_ft_train_never_imports_prefect():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+# A string that names an adapter's module (`importlib.import_module("flows.train")`, ...).
+ADAPTER_PATH = re.compile(rf"({'|'.join(ADAPTERS)})([.:][A-Za-z_][\w.]*)*")
+FLOW_ENTRY_POINT = {"flow": "flows.train:train"}  # group ft_train, DESIGN.md
+
+
+def indirections() -> list[str]:
+    """Where `ft_train` could reach an adapter around its imports: a string naming an adapter's
+    module, or a read of entry points (`importlib.metadata.entry_points`)."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if ADAPTER_PATH.fullmatch(node.value):
+                    found.append(f"{name}:{node.lineno} names {node.value!r}")
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                if (node.id if isinstance(node, ast.Name) else node.attr) == "entry_points":
+                    found.append(f"{name}:{node.lineno} reads entry points")
+    return found
+
+
+def test_the_flows_entry_point_is_the_librarys_only_way_to_an_adapter():
+    """`TorchTrainer.fit()` calls the flow, found through one entry point (group `ft_train`,
+    name `flow`, DESIGN.md): the trainer reads it, and the group holds that one alone, so it is
+    no way to another adapter. Nothing else in `ft_train` names an adapter's module."""
+    from ft_train import trainer
+
+    assert indirections() == [f"ft_train.trainer:{_line_of(trainer.find_flow)} reads entry points"]
+    assert (trainer.FLOW_GROUP, trainer.FLOW_NAME) == ("ft_train", "flow")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["ft_train"] == FLOW_ENTRY_POINT
+
+
+def _line_of(fn) -> int:
+    """The line of the one `entry_points` call in `fn`."""
+    tree = ast.parse(pathlib.Path(fn.__code__.co_filename).read_text())
+    (line,) = {
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "entry_points"
+    }
+    return line
+
+
+def test_the_indirection_check_sees_a_string_path_to_an_adapter():
+    for text in ["flows.train", "flows.train:train", "tasks", "cli.main:main", "deployments.demo"]:
+        assert ADAPTER_PATH.fullmatch(text), text
+    for text in ["ft_train.torch", "the flows module", "tasks/", "my_pkg.flows"]:
+        assert not ADAPTER_PATH.fullmatch(text), text
+
+
+def test_the_trainer_imports_no_prefect_until_fit_loads_the_flow():
+    code = (
+        "import sys\n"
+        "from ft_train.torch import TorchTrainer\n"
+        "from ft_train.trainer import find_flow\n"
+        "TorchTrainer('tests.loops:report_many', train_loop_config={'n': 1})\n"
+        f"sides = {('prefect', *ADAPTERS)!r}\n"
+        "before = sorted({m.split('.')[0] for m in sys.modules} & set(sides))\n"
+        "flow = find_flow()\n"
+        "import flows.train\n"
+        "print(before, flow is flows.train.train)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[] True"
 
 
 SIZED = ("ft_train", "flows", "tasks", "cli", "deployments")

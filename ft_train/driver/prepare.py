@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RunConfig, ScalingConfig
+from ..config import RunConfig, ScalingConfig, name_of
 from ..controller import Callback, Controller, GroupPlan
 from ..controller.history import HistoryRecorder
 from ..errors import ConfigError, RunLockedError, StorageError, TrainingFailedError
@@ -84,7 +84,7 @@ def prepare_run(
     config = loop_config(train_loop_config)
     if storage is None:
         storage = Storage(run_config.storage_path, run_config.storage_options)
-    store = RunStore(storage, run_config.name)
+    store = RunStore(storage, name_of(run_config))
     new = resume.wanted(train_loop, config, scaling, run_config.checkpoint_config)
     # Read once before the lease is taken: stored state that cannot be resumed (corrupt, from a
     # newer ft-train, a directory that is not a run's), storage that cannot be used, and a
@@ -94,10 +94,10 @@ def prepare_run(
         run_config,
         peek(run_config, storage, store),
         new,
-        storage.uri(run_config.name),
+        storage.uri(name_of(run_config)),
         lambda msg: None,
     )
-    lease = RunLease(storage, run_config.name, holder, holder_id, log=log)
+    lease = RunLease(storage, name_of(run_config), holder, holder_id, log=log)
     try:
         lease.acquire()
         store.lease = lease
@@ -172,7 +172,7 @@ def _check_new_run_dir(run_config: RunConfig, storage: Storage) -> None:
     with it, and its orphan collection could delete checkpoints the lost state referenced."""
     foreign = [
         n
-        for n in storage.list_dir(run_config.name)
+        for n in storage.list_dir(name_of(run_config))
         if n not in _BEFORE_STATE and not _TEMP.search(n)
     ]
     if foreign:
@@ -180,7 +180,7 @@ def _check_new_run_dir(run_config: RunConfig, storage: Storage) -> None:
             f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         )
         raise StorageError(
-            f"{storage.uri(run_config.name)} holds files but no {STATE_FILE} ({shown}): it is not "
+            f"{storage.uri(name_of(run_config))} holds files but no {STATE_FILE} ({shown}): it is not "
             "an ft-train run, or its run state was deleted. Use another run_config.name (or "
             "run_config.storage_path), or move those files away"
         )
@@ -218,7 +218,7 @@ def _rehydrate(
     """Load the run state (or create it), under the lease, record this driver's start, and sweep
     the previous drivers' uncommitted checkpoint directories."""
     state = store.load()
-    where = storage.uri(run_config.name)
+    where = storage.uri(name_of(run_config))
     trains_on = resume.check(run_config, state, new, where, log)  # a finished run, extended
     # A driver that ended released the lease, and swept its leftovers; one that was killed
     # could do neither. A new run has nothing to sweep (nor a run with no state file).
@@ -332,7 +332,7 @@ def make_controller(
     group_plan = GroupPlan(
         train_loop=plan.train_loop,
         config=plan.train_loop_config,
-        name=plan.run_config.name,
+        name=name_of(plan.run_config),
         storage=plan.storage,
         min_workers=plan.scaling.min_workers,
         max_workers=plan.scaling.max_workers,
@@ -346,7 +346,7 @@ def make_controller(
     )
     manager = CheckpointManager(plan.storage, plan.store, plan.run_config.checkpoint_config)
     try:
-        plan.history = load_history(plan.storage, plan.run_config.name)
+        plan.history = load_history(plan.storage, name_of(plan.run_config))
     except StorageError as e:  # the history only informs: train, and start it afresh
         log(f"{e}; the run's metric history starts afresh")
     recorder = HistoryRecorder(plan.store, plan.history)  # first: the others see it current
