@@ -58,6 +58,8 @@ REFUSED: dict[str, str] = {
     "backend_config": _NO_BACKEND,
     "datasets": _NO_DATA,
     "dataset_config": _NO_DATA,
+    "validation_config": "ft-train has no asynchronous validation tasks: validate in "
+    "train_loop_per_worker and report the validation metrics with ft_train.report()",
     "metadata": "deprecated in Ray (it raises there too): pass the values through "
     "train_loop_config",
     "resume_from_checkpoint": "pass the checkpoint's path through train_loop_config and load "
