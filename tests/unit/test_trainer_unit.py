@@ -27,6 +27,7 @@ INSTEAD = {
     "dataset_config": "prepare_data_loader",
     "metadata": "train_loop_config",
     "resume_from_checkpoint": "through train_loop_config",
+    "validation_config": "ft_train.report()",
 }
 
 
