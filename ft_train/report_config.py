@@ -12,7 +12,8 @@ same way). Where Ray's meaning is not implemented, the message names what to use
   `NO_UPLOAD` (Ray: the checkpoint already sits in the run's storage directory) is refused: a
   directory the training function wrote into storage itself has no manifest and could mix files
   of two attempts (DESIGN storage invariant 3).
-- `delete_local_checkpoint_after_upload`: Ray's default, True for ASYNC only.
+- `delete_local_checkpoint_after_upload`: Ray's default, True for `CheckpointUploadMode.ASYNC`
+  only (not for the string "async", which keeps its meaning: the directory is the caller's).
 - `checkpoint_dir_name`: a label, one path segment (`checkpoint_label`); it becomes the end of
   the checkpoint's storage directory name (`storage.checkpoint_manager.checkpoint_dir_name`).
 - `checkpoint_upload_fn` and `validation`: refused by name.
@@ -76,10 +77,12 @@ def upload_mode(mode: Any) -> UploadMode:
     )
 
 
-def delete_after_upload(delete: Any, mode: UploadMode) -> bool:
-    """`delete_local_checkpoint_after_upload`, with Ray's default: True for ASYNC only."""
+def delete_after_upload(delete: Any, mode: CheckpointUploadMode | UploadMode) -> bool:
+    """`delete_local_checkpoint_after_upload`. Its default is Ray's for Ray's enum (True for
+    `CheckpointUploadMode.ASYNC` only), and False for ft-train's own strings: "async" has always
+    left the directory to the training function, and code written for it deletes it itself."""
     if delete is None:
-        return mode == "async"
+        return mode is CheckpointUploadMode.ASYNC
     if not isinstance(delete, bool):
         raise SessionError(
             f"report(delete_local_checkpoint_after_upload={delete!r}): pass True, False, or None "

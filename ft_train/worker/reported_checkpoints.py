@@ -76,7 +76,7 @@ def all_reported(
     delay = POLL_MIN_S
     while True:
         state = store.load()
-        if state is not None and state.report_index >= until_index:
+        if until_index <= 0 or (state is not None and state.report_index >= until_index):
             break
         if deadline is not None and time.monotonic() >= deadline:
             break

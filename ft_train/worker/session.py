@@ -160,8 +160,11 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _delete_after_upload(checkpoint: Checkpoint | None, given: Any, mode: UploadMode) -> bool:
-    """Ray's `delete_local_checkpoint_after_upload` (default: True for ASYNC only). Never for a
+def _delete_after_upload(
+    checkpoint: Checkpoint | None, given: Any, mode: CheckpointUploadMode | UploadMode
+) -> bool:
+    """Ray's `delete_local_checkpoint_after_upload` (default: True for CheckpointUploadMode.ASYNC
+    only; `report_config.delete_after_upload`). Never for a
     committed checkpoint (one a training function reports again, e.g. get_checkpoint()'s): its
     directory is the run's storage, or the node's download cache."""
     delete = report_config.delete_after_upload(given, mode)
@@ -238,7 +241,9 @@ class Session:
         mode = report_config.upload_mode(checkpoint_upload_mode)
         report_config.refuse_unsupported(checkpoint_upload_fn, validation)
         label = report_config.checkpoint_label(checkpoint_dir_name)
-        delete = _delete_after_upload(checkpoint, delete_local_checkpoint_after_upload, mode)
+        delete = _delete_after_upload(
+            checkpoint, delete_local_checkpoint_after_upload, checkpoint_upload_mode
+        )
         if self._uploads is not None:
             self._uploads.check()  # an earlier asynchronous upload failed: this rank fails
         if checkpoint is not None and label is not None:
@@ -455,8 +460,9 @@ def report(
     checkpoint is committed only once every file of its round is stored. `NO_UPLOAD` is refused.
     `delete_local_checkpoint_after_upload`: remove the checkpoint's local directory once its
     files are uploaded (SYNC) or snapshotted (ASYNC: the snapshot holds them until uploaded);
-    by default, as in Ray, only with ASYNC. A committed checkpoint reported again is never
-    deleted.
+    by default, as in Ray, only with `CheckpointUploadMode.ASYNC` (the string "async" keeps
+    ft-train's meaning: the directory is left to the caller). A committed checkpoint reported
+    again is never deleted.
     `checkpoint_upload_fn`, `validation`: not supported, refused (SessionError).
     `snapshot`: {file name: state} or save(directory), for the in-memory tier every
     `snapshot_every` reports (`ft_train.worker.snapshots`)."""
