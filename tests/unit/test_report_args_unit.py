@@ -149,7 +149,7 @@ def test_a_label_is_refused_when_a_kept_checkpoint_or_this_attempt_has_it(tmp_pa
     session = Session(spec(st), msgs.append)
     c = Checkpoint.from_directory(local_checkpoint(tmp_path, "c"))
     session.report({"loss": 1.0}, c, "epoch_0")
-    assert msgs[-1].dir_name == f"checkpoint_000001-a0-c0ffee00-epoch_0"
+    assert msgs[-1].dir_name == "checkpoint_000001-a0-c0ffee00-epoch_0"
     with pytest.raises(SessionError, match=r"'epoch_0'\) at report 2: report 1 of this attempt"):
         session.report({"loss": 0.5}, c, "epoch_0")
     assert session.report_index == 1  # refused before the report counted
