@@ -265,3 +265,17 @@ def test_all_reported_lists_the_committed_ones_and_waits_for_this_ranks_own(tmp_
         session.all_reported("COMMITTED", None)
     with pytest.raises(SessionError, match="seconds"):
         session.all_reported(CheckpointConsistencyMode.COMMITTED, -1)
+
+
+def test_a_labelled_checkpoint_left_uncommitted_is_an_orphan_and_a_committed_one_is_kept(tmp_path):
+    st = Storage(str(tmp_path / "runs"))
+    msgs: list = []
+    session = Session(spec(st), msgs.append)
+    c = Checkpoint.from_directory(local_checkpoint(tmp_path, "c"))
+    session.report({}, c, "kept")
+    session.report({}, c, "crashed")  # uploaded, never committed (the driver died first)
+    state = RunState(name="run")
+    commit(st, state, msgs[0])
+    manager = CheckpointManager(st, RunStore(st, "run"), CheckpointConfig())
+    assert manager.collect_orphans(state) == [msgs[1].dir_name]
+    assert sorted(n for n in st.list_dir("run") if CHECKPOINT_DIR.match(n)) == [msgs[0].dir_name]
