@@ -26,6 +26,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from .errors import SessionError
+from .storage.checkpoint import Checkpoint
 
 
 class CheckpointUploadMode(Enum):
@@ -124,3 +125,41 @@ def refuse_unsupported(checkpoint_upload_fn: Any, validation: Any) -> None:
             "task; validate in the training function (e.g. on rank 0, on the model it just "
             "saved) and report the result as a metric"
         )
+
+
+def checked(
+    checkpoint: Checkpoint | None,
+    checkpoint_dir_name: Any,
+    checkpoint_upload_mode: Any,
+    delete_local_checkpoint_after_upload: Any,
+    checkpoint_upload_fn: Any,
+    validation: Any,
+) -> tuple[UploadMode, str | None, bool]:
+    """report()'s Ray arguments as (upload mode, label, delete the local directory after the
+    upload), or a SessionError."""
+    if (  # a metrics-only report with the defaults skips the checks: it is the hot path
+        checkpoint is None
+        and checkpoint_dir_name is None
+        and checkpoint_upload_mode is CheckpointUploadMode.SYNC
+        and delete_local_checkpoint_after_upload is None
+        and checkpoint_upload_fn is None
+        and validation is False
+    ):
+        return "sync", None, False
+    mode = upload_mode(checkpoint_upload_mode)
+    refuse_unsupported(checkpoint_upload_fn, validation)
+    label = checkpoint_label(checkpoint_dir_name)
+    given = delete_local_checkpoint_after_upload
+    delete = delete_after_upload(given, checkpoint_upload_mode)
+    if checkpoint is None or not delete:
+        return mode, label, False
+    if checkpoint.is_committed():  # reported again (e.g. get_checkpoint()'s): never deleted
+        if given is True:
+            raise SessionError(
+                f"report(checkpoint={checkpoint!r}, delete_local_checkpoint_after_upload=True): "
+                "that is a committed checkpoint, not a local directory, and ft-train never "
+                "deletes a committed checkpoint's files (the run's storage, or the node's "
+                "download cache): pass False, or report a local copy (checkpoint.to_directory())"
+            )
+        return mode, label, False  # the default: keep it
+    return mode, label, True

@@ -160,28 +160,6 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _delete_after_upload(
-    checkpoint: Checkpoint | None, given: Any, mode: CheckpointUploadMode | UploadMode
-) -> bool:
-    """Ray's `delete_local_checkpoint_after_upload` (default: True for CheckpointUploadMode.ASYNC
-    only; `report_config.delete_after_upload`). Never for a
-    committed checkpoint (one a training function reports again, e.g. get_checkpoint()'s): its
-    directory is the run's storage, or the node's download cache."""
-    delete = report_config.delete_after_upload(given, mode)
-    if checkpoint is None or not delete:
-        return False
-    if checkpoint.is_committed():
-        if given is True:
-            raise SessionError(
-                f"report(checkpoint={checkpoint!r}, delete_local_checkpoint_after_upload=True): "
-                "that is a committed checkpoint, not a local directory, and ft-train never "
-                "deletes a committed checkpoint's files: pass False, or report a local copy "
-                "(checkpoint.to_directory())"
-            )
-        return False  # the default: keep it
-    return True
-
-
 def _checkpoint_files(checkpoint: Checkpoint, local: str) -> None:
     """A checkpoint's directory must exist. It may be empty on some ranks (only rank 0 saves
     the model); a round in which no rank attached a file is refused by the driver
@@ -238,11 +216,13 @@ class Session:
             raise SessionError(
                 "report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)"
             )
-        mode = report_config.upload_mode(checkpoint_upload_mode)
-        report_config.refuse_unsupported(checkpoint_upload_fn, validation)
-        label = report_config.checkpoint_label(checkpoint_dir_name)
-        delete = _delete_after_upload(
-            checkpoint, delete_local_checkpoint_after_upload, checkpoint_upload_mode
+        mode, label, delete = report_config.checked(
+            checkpoint,
+            checkpoint_dir_name,
+            checkpoint_upload_mode,
+            delete_local_checkpoint_after_upload,
+            checkpoint_upload_fn,
+            validation,
         )
         if self._uploads is not None:
             self._uploads.check()  # an earlier asynchronous upload failed: this rank fails
