@@ -19,12 +19,15 @@ from .errors import (
     WorkerStartupError,
 )
 from .protocol import PreemptionInfo
+from .report_config import CheckpointConsistencyMode, CheckpointUploadMode
 from .result import TrainResult
 from .storage.checkpoint import Checkpoint
 from .storage.run_state import FailureRecord
+from .worker.reported_checkpoints import ReportedCheckpoint, ReportedCheckpointStatus
 from .worker.session import (
     TrainContext,
     enable_jit_checkpoint,
+    get_all_reported_checkpoints,
     get_checkpoint,
     get_context,
     get_preemption_info,
@@ -35,12 +38,16 @@ from .worker.uploads import staging_dir
 __all__ = [
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
     "ClusterConfig",
     "ConfigError",
     "FailureConfig",
     "FailureRecord",
     "FtTrainError",
     "PreemptionInfo",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
     "RunConfig",
     "RunLockedError",
     "ScalingConfig",
@@ -53,6 +60,7 @@ __all__ = [
     "WorkerGroupError",
     "WorkerStartupError",
     "enable_jit_checkpoint",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
     "get_preemption_info",

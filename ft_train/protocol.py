@@ -37,11 +37,16 @@ class Report:
     files: dict[str, FileInfo] = field(default_factory=dict)
     preempted: tuple[int, ...] | None = None  # learned at this report: these ranks leave
     deadline: float | None = None  # by then (epoch seconds)
+    # report(checkpoint_dir_name=...), with or without a checkpoint: the driver checks that the
+    # ranks of a round agree on it (`controller.Controller._on_round`)
+    label: str | None = None
 
     def wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "index": self.index, "metrics": self.metrics}
         if self.dir_name is not None:
             out["dir_name"], out["files"] = self.dir_name, self.files
+        if self.label is not None:
+            out["label"] = self.label
         if self.preempted is not None:
             out["preempted"], out["deadline"] = list(self.preempted), self.deadline
         return out
@@ -80,6 +85,7 @@ def message(d: dict[str, Any]) -> Message:
         files=d.get("files") or {},
         preempted=None if preempted is None else tuple(preempted),
         deadline=d.get("deadline"),
+        label=d.get("label"),
     )
 
 

@@ -38,7 +38,7 @@ from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
 from .ports import Cluster, GroupPlan
-from .rounds import ReportRounds, Round
+from .rounds import ReportRounds, Round, label_conflict
 from .snapshots import SnapshotRound, SnapshotTier
 from .state import (
     Attempt,
@@ -221,6 +221,8 @@ class Controller:
                 self._last_progress_log = time.monotonic()
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return s
+        if (conflict := label_conflict(rnd)) is not None:
+            return self.errored(SessionError(conflict))
         if not rnd.files:  # restored, it would be an empty directory: as if from scratch
             return self.errored(
                 SessionError(
@@ -234,6 +236,11 @@ class Controller:
 
     def _commit(self, rnd: Round, how: str = "") -> None:
         assert rnd.dir_name is not None  # a round with a checkpoint
+        if (conflict := label_conflict(rnd)) is not None:
+            # A recovered round (`stop_group`): its files lie in several directories, and the
+            # restart reports it again, where `_on_round` refuses it.
+            self.log(f"round {rnd.index} not committed: {conflict}")
+            return
         self.last_metrics = rnd.metrics
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()

@@ -21,6 +21,8 @@ class Round:
     files: dict[str, FileInfo] = field(default_factory=dict)
     preempted: tuple[int, ...] | None = None  # the group learned at this round: these leave
     deadline: float | None = None
+    # report(checkpoint_dir_name=...) of each rank that attached files or passed a name
+    labels: dict[int, str | None] = field(default_factory=dict)
 
 
 class ReportRounds:
@@ -84,7 +86,24 @@ def _consolidate(index: int, msgs: dict[int, Report]) -> Round:
     rnd = Round(index, first.metrics, preempted=first.preempted, deadline=first.deadline)
     for rank in sorted(msgs):
         m = msgs[rank]
+        if m.dir_name or m.label is not None:
+            rnd.labels[rank] = m.label
         if m.dir_name:
             rnd.dir_name = m.dir_name
             rnd.files.update(m.files)
     return rnd
+
+
+def label_conflict(rnd: Round) -> str | None:
+    """Why round `rnd` cannot be committed under one name, or None. Each rank puts its files
+    into the directory its own `checkpoint_dir_name` names: ranks that disagree would leave one
+    round in several directories (and Ray's meaning, rank 0's name for all, needs a broadcast
+    that report() does not wait for)."""
+    if len(set(rnd.labels.values())) <= 1:
+        return None
+    given = ", ".join(f"rank {r}: {label!r}" for r, label in sorted(rnd.labels.items()))
+    return (
+        f"report() {rnd.index}: the ranks passed different checkpoint_dir_name values ({given}); "
+        "every rank that attaches a checkpoint or passes a checkpoint_dir_name in a round must "
+        "pass the same name (e.g. computed from the epoch or step, the same on every rank)"
+    )

@@ -4,11 +4,20 @@ A committed checkpoint lives at `{storage_path}/{name}/{dir_name}/` and holds th
 rank that attached one in its report round plus `MANIFEST` (files, sizes, sha256), written last.
 Reading goes through the manifest: only listed files are fetched and each is verified, so a
 half-written directory can never be restored.
+
+Metadata (Ray's `get_metadata` / `set_metadata` / `update_metadata`): a JSON object in the file
+`.metadata.json` of the checkpoint's directory, as Ray stores it. Written into a local directory
+before report(), it is one of the checkpoint's files like any other (uploaded, listed in the
+manifest, verified on read). A committed checkpoint is read-only: its manifest lists every file
+with its checksum, and a file written after the commit would either not be listed or no longer
+match, so `set_metadata`/`update_metadata` on it raise a SessionError; `get_metadata` reads
+the committed file, verified against the manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +31,7 @@ from ..worker import download_cache
 from .fs import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
+METADATA = ".metadata.json"  # Ray's name for a checkpoint's metadata file
 
 
 def _inside(rel: Any) -> bool:
@@ -92,6 +102,63 @@ class Checkpoint(RefusesRayNames):
     def _is_local(self) -> bool:
         return "://" not in self.path or self.path.startswith("file://")
 
+    def is_committed(self) -> bool:
+        """A checkpoint ft-train committed (its manifest exists), rather than a local directory
+        a training function is about to report. A remote one always counts as committed."""
+        if not self._is_local():
+            return True
+        return os.path.exists(os.path.join(self._storage().full(""), MANIFEST))
+
+    # -- metadata (Ray's API; see the module docstring) -----------------------------------------
+
+    def get_metadata(self) -> dict[str, Any]:
+        """The checkpoint's metadata ({} if none was set)."""
+        if not self.is_committed():
+            path = os.path.join(self._storage().full(""), METADATA)
+            if not os.path.exists(path):
+                return {}
+            with open(path, "rb") as f:
+                return _metadata_doc(f.read(), path)
+        want = self.manifest()["files"].get(METADATA)
+        if want is None:
+            return {}
+        raw = self._storage().read_bytes(METADATA)
+        if raw is None or len(raw) != want["size"] or _sha256(raw) != want["sha256"]:
+            raise CheckpointDamagedError(
+                f"{self.path}/{METADATA} is missing or does not match its manifest: the stored "
+                "checkpoint is damaged",
+                self.path,
+            )
+        return _metadata_doc(raw, f"{self.path}/{METADATA}")
+
+    def set_metadata(self, metadata: dict[str, Any]) -> None:
+        """Replace the checkpoint's metadata (a JSON-serialisable dict); before report() only."""
+        self._write_metadata(_checked_metadata(metadata, "set_metadata"), "set_metadata")
+
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
+        """Merge `metadata` into the checkpoint's metadata (dict.update); before report() only."""
+        merged = {**self.get_metadata(), **_checked_metadata(metadata, "update_metadata")}
+        self._write_metadata(merged, "update_metadata")
+
+    def _write_metadata(self, metadata: dict[str, Any], what: str) -> None:
+        if self.is_committed():
+            raise SessionError(
+                f"Checkpoint.{what}() on {self.path}: a committed checkpoint is read-only (its "
+                "manifest lists every file with its checksum); set the metadata on the local "
+                "directory before report(), e.g. Checkpoint.from_directory(d).set_metadata({...}),"
+                " or copy it with to_directory() and report the copy"
+            )
+        directory = self._storage().full("")
+        fd, tmp = tempfile.mkstemp(prefix=METADATA, dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(metadata, f)
+            os.replace(tmp, os.path.join(directory, METADATA))  # never a half-written file
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
         """A local directory with the checkpoint's files, for reading only.
@@ -149,3 +216,33 @@ class Checkpoint(RefusesRayNames):
                     f"{want['size']}): the stored checkpoint is damaged",
                     self.path,
                 )
+
+
+def _checked_metadata(metadata: Any, what: str) -> dict[str, Any]:
+    """`metadata` as it will read back: a dict that JSON carries unchanged in meaning."""
+    if not isinstance(metadata, dict):
+        raise TypeError(
+            f"Checkpoint.{what}() takes a dict, not {type(metadata).__name__}: e.g. "
+            "{'epoch': 3, 'framework': 'torch'}"
+        )
+    try:
+        return json.loads(json.dumps(metadata))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"Checkpoint.{what}(): the metadata must be JSON-serialisable ({e}); use numbers, "
+            "strings, lists and dicts (e.g. str(value) for anything else)"
+        ) from None
+
+
+def _metadata_doc(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise StorageError(f"{where} is not JSON ({e}): write it with set_metadata()") from None
+    if not isinstance(doc, dict):
+        raise StorageError(f"{where} is not a JSON object: write it with set_metadata()")
+    return doc
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

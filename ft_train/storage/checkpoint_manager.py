@@ -25,11 +25,30 @@ from .checkpoint import MANIFEST
 from .fs import FileInfo, Storage
 from .run_state import INDEX_CHUNK, CheckpointEntry, RunState, RunStore, now
 
-CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d{6,})-a\d+-[0-9a-f]+$")  # group 1: the report index
+# A checkpoint directory's name: group 1 is the report index, group 2 the label, if one was
+# given (`report(checkpoint_dir_name=...)`; `report_config.LABEL` says what a label may hold).
+# The attempt's id, hex, cannot hold a '-': the label starts after the first '-' that follows it.
+CHECKPOINT_DIR = re.compile(
+    r"^checkpoint_(\d{6,})-a\d+-[0-9a-f]+(?:-([A-Za-z0-9][A-Za-z0-9._=+,@-]*))?$"
+)
 
 
-def checkpoint_dir_name(report_index: int, attempt: int, attempt_id: str) -> str:
-    return f"checkpoint_{report_index:06d}-a{attempt}-{attempt_id[:8]}"
+def checkpoint_dir_name(
+    report_index: int, attempt: int, attempt_id: str, label: str | None = None
+) -> str:
+    """The storage directory of round `report_index`'s checkpoint in `attempt`: never reused
+    across attempts (storage invariant 3), whatever the label. A label (Ray's
+    `checkpoint_dir_name`, checked by `report_config.checkpoint_label`) ends the name, so that
+    the checkpoint's path ends with it: `checkpoint_000012-a0-1f2e3d4c-epoch_3`."""
+    name = f"checkpoint_{report_index:06d}-a{attempt}-{attempt_id[:8]}"
+    return name if label is None else f"{name}-{label}"
+
+
+def label_of(dir_name: str) -> str | None:
+    """The label a checkpoint directory's name ends with, or None (none given, or a name that
+    is not a checkpoint directory's)."""
+    m = CHECKPOINT_DIR.match(dir_name)
+    return m.group(2) if m else None
 
 
 def score(entry: CheckpointEntry, cfg: CheckpointConfig) -> float:

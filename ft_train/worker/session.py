@@ -41,20 +41,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
-from .. import knobs
+from .. import knobs, report_config
 from ..errors import SessionError, StorageError
 from ..protocol import Message, PreemptionInfo, Report, UploadIntent
 from ..ray_names import RefusesRayNames
+from ..report_config import CheckpointConsistencyMode, CheckpointUploadMode, UploadMode
+from ..storage import checkpoint_manager
 from ..storage.checkpoint import Checkpoint
-from ..storage.checkpoint_manager import checkpoint_dir_name
 from ..storage.fs import Storage
-from . import preemption
+from . import preemption, reported_checkpoints
+from .checkpoint_labels import Labels
 from .journal import Journal
+from .reported_checkpoints import ReportedCheckpoint
 from .snapshots import RankSnapshots, Saver, Snapshot, StateFn, jit_saver
 from .uploads import Uploads
 
@@ -168,10 +172,6 @@ def _checkpoint_files(checkpoint: Checkpoint, local: str) -> None:
         )
 
 
-UploadMode = Literal["sync", "async"]
-UPLOAD_MODES = ("sync", "async")
-
-
 class Session:
     def __init__(
         self, spec: RankSpec, send: Callable[[Message], None], journal: Journal | None = None
@@ -189,6 +189,8 @@ class Session:
         self._next_agreement = spec.start_report_index + 1  # the next one starts at this report
         self.agreements = 0  # started so far
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
+        self._labels = Labels(spec.storage, spec.name)  # report(checkpoint_dir_name=...)
+        self._last_checkpoint = 0  # the last report index this rank attached a checkpoint at
         self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.worker.snapshots`)
 
     def checkpoint(self) -> Checkpoint | None:
@@ -203,7 +205,11 @@ class Session:
         self,
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None = None,
-        checkpoint_upload_mode: UploadMode = "sync",
+        checkpoint_dir_name: str | None = None,
+        checkpoint_upload_mode: CheckpointUploadMode | UploadMode = CheckpointUploadMode.SYNC,
+        delete_local_checkpoint_after_upload: bool | None = None,
+        checkpoint_upload_fn: Callable | None = None,
+        validation: Any = False,
         snapshot: Snapshot | None = None,
     ) -> None:
         metrics = _jsonable(metrics)
@@ -211,33 +217,57 @@ class Session:
             raise SessionError(
                 "report(checkpoint=...) takes ft_train.Checkpoint.from_directory(dir)"
             )
-        if checkpoint_upload_mode not in UPLOAD_MODES:
-            raise SessionError(
-                f"report(checkpoint_upload_mode={checkpoint_upload_mode!r}): choose 'sync' (upload "
-                "before report() returns) or 'async' (upload in the background)"
-            )
+        mode, label, delete = report_config.checked(
+            checkpoint,
+            checkpoint_dir_name,
+            checkpoint_upload_mode,
+            delete_local_checkpoint_after_upload,
+            checkpoint_upload_fn,
+            validation,
+        )
         if self._uploads is not None:
             self._uploads.check()  # an earlier asynchronous upload failed: this rank fails
+        if checkpoint is not None and label is not None:
+            self._labels.claim(label, self.report_index + 1)  # before anything is uploaded
         self.report_index += 1
         s = self.spec
-        msg = Report(s.rank, self.report_index, metrics)
+        msg = Report(s.rank, self.report_index, metrics, label=label)
         if self.control is not None:
             msg = self._agree(msg)
         self.snapshots.offer(snapshot, self.report_index)
         if checkpoint is not None:
-            dir_name = checkpoint_dir_name(self.report_index, s.attempt, s.attempt_id)
+            self._last_checkpoint = self.report_index
+            dir_name = checkpoint_manager.checkpoint_dir_name(
+                self.report_index, s.attempt, s.attempt_id, label
+            )
             msg, remote = replace(msg, dir_name=dir_name), f"{s.name}/{dir_name}"
             with checkpoint.as_directory() as local:
                 _checkpoint_files(checkpoint, local)
-                if checkpoint_upload_mode == "async":
+                if mode == "async":
                     self._journal(UploadIntent(s.rank, self.report_index, dir_name))
+                    # the snapshot (hard links) holds the files from here on
                     self._uploads_started().submit(local, remote, msg)
-                    self._returning()
-                    return  # the message follows the upload (`_deliver`)
-                msg = replace(msg, files=s.storage.upload_dir(local, remote))
+                else:
+                    msg = replace(msg, files=s.storage.upload_dir(local, remote))
+            if delete:  # Ray's delete_local_checkpoint_after_upload
+                shutil.rmtree(local)
+            if mode == "async":
+                self._returning()
+                return  # the message follows the upload (`_deliver`)
             self._journal(msg)
         self._returning()
         self.send(msg)
+
+    def all_reported(
+        self, consistency_mode: CheckpointConsistencyMode, timeout_s: float | None
+    ) -> list[ReportedCheckpoint]:
+        """`get_all_reported_checkpoints()` (`ft_train.worker.reported_checkpoints`): waits for
+        the commit of the last checkpoint this rank attached in this attempt."""
+        reported_checkpoints.check_mode(consistency_mode, timeout_s)
+        s = self.spec
+        return reported_checkpoints.all_reported(
+            s.storage, s.name, self._last_checkpoint, timeout_s
+        )
 
     # Crash ordering: what report() journals is on the node before it returns; what it sends
     # may still be queued in this process. The driver reads the journals after a failure.
@@ -388,14 +418,54 @@ def enable_jit_checkpoint(save: Saver | None = None, *, files: StateFn | None = 
 def report(
     metrics: dict[str, Any],
     checkpoint: Checkpoint | None = None,
-    checkpoint_upload_mode: UploadMode = "sync",
+    checkpoint_dir_name: str | None = None,
+    checkpoint_upload_mode: CheckpointUploadMode | UploadMode = CheckpointUploadMode.SYNC,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: Callable | None = None,
+    validation: Any = False,
+    *,
     snapshot: Snapshot | None = None,
 ) -> None:
     """Report this step's metrics, optionally with a checkpoint. See the module docstring.
+    Ray's `ray.train.report`, with Ray's arguments in Ray's order (`ft_train.report_config`):
 
-    `checkpoint_upload_mode`: "sync" uploads the checkpoint before report() returns; "async"
-    snapshots its directory (hard links) and uploads it in the background, at most two at a
-    time (report() waits beyond that). Either way the checkpoint is committed only once every
-    file of its round is stored. `snapshot`: {file name: state} or save(directory), for the
-    in-memory tier every `snapshot_every` reports (`ft_train.worker.snapshots`)."""
-    _current().report(metrics, checkpoint, checkpoint_upload_mode, snapshot)
+    `checkpoint_dir_name`: the checkpoint's name, one path segment (e.g. f"epoch_{epoch}"). Its
+    storage directory ends with it (`checkpoint_000012-a0-1f2e3d4c-epoch_3`: the report index
+    and the attempt come first, so a directory is never reused), and so does its path in the
+    result. Every rank that attaches files (or passes a name) in a round must pass the same
+    name; a name that a checkpoint the run keeps already has, or that this rank used earlier in
+    this attempt, is refused (`ft_train.worker.checkpoint_labels`).
+    `checkpoint_upload_mode`: `CheckpointUploadMode.SYNC` ("sync") uploads the checkpoint before
+    report() returns; `ASYNC` ("async") snapshots its directory (hard links) and uploads it in
+    the background, at most two at a time (report() waits beyond that). Either way the
+    checkpoint is committed only once every file of its round is stored. `NO_UPLOAD` is refused.
+    `delete_local_checkpoint_after_upload`: remove the checkpoint's local directory once its
+    files are uploaded (SYNC) or snapshotted (ASYNC: the snapshot holds them until uploaded);
+    by default, as in Ray, only with `CheckpointUploadMode.ASYNC` (the string "async" keeps
+    ft-train's meaning: the directory is left to the caller). A committed checkpoint reported
+    again is never deleted.
+    `checkpoint_upload_fn`, `validation`: not supported, refused (SessionError).
+    `snapshot`: {file name: state} or save(directory), for the in-memory tier every
+    `snapshot_every` reports (`ft_train.worker.snapshots`)."""
+    _current().report(
+        metrics,
+        checkpoint,
+        checkpoint_dir_name,
+        checkpoint_upload_mode,
+        delete_local_checkpoint_after_upload,
+        checkpoint_upload_fn,
+        validation,
+        snapshot,
+    )
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
+    timeout_s: float | None = None,
+) -> list[ReportedCheckpoint]:
+    """The run's committed checkpoints, oldest first, each a `ReportedCheckpoint(checkpoint,
+    metrics, status)`: those of earlier attempts and driver runs, and this attempt's. Waits until
+    every checkpoint this rank attached in this attempt is committed (at most `timeout_s`; None:
+    no limit). Ray's `ray.train.get_all_reported_checkpoints`; where it differs (a round where
+    only other ranks attached files), see `ft_train.worker.reported_checkpoints`."""
+    return _current().all_reported(consistency_mode, timeout_s)
