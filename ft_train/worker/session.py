@@ -447,6 +447,8 @@ def report(
     `checkpoint_upload_fn`, `validation`: not supported, refused (SessionError).
     `snapshot`: {file name: state} or save(directory), for the in-memory tier every
     `snapshot_every` reports (`ft_train.worker.snapshots`)."""
+    if checkpoint_upload_fn is not None or validation:  # refused wherever it is called
+        report_config.refuse_unsupported(checkpoint_upload_fn, validation)
     _current().report(
         metrics,
         checkpoint,
