@@ -79,7 +79,9 @@ class Controller:
         self.cluster, self.plan, self.state = cluster, plan, state
         self.store, self.manager, self.failure_config = store, manager, failure_config
         self.log, self.callbacks = log, list(callbacks)
-        self.warn: Callable[[str], None] = logger.warning  # a rank's traceback, say
+        # What a user should look into (a rank's traceback, say): a warning, unless the caller
+        # gives a logger of its own.
+        self.warn: Callable[[str], None] = logger.warning
         self.current: State = Restarting()
         self.events: queue.Queue[GroupEvent] = queue.Queue()
         self.last_metrics: dict[str, Any] = {}

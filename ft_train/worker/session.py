@@ -411,7 +411,14 @@ def get_preemption_info() -> PreemptionInfo | None:
 
 
 def enable_jit_checkpoint(save: Saver | None = None, *, files: StateFn | None = None) -> None:
-    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`)."""
+    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`): when
+    another rank of the group fails, this rank saves its state before it stops, and the restart
+    resumes from that save when it is newer than the latest checkpoint or snapshot round.
+
+    Give one of two forms: `save(directory)`, a function that writes this rank's state into the
+    directory (as for a checkpoint); or `files()`, a function that returns the state as
+    report(snapshot=...) takes it, {file name: state}, which is copied into one buffer in a few
+    ms, with no torch.save until a restore needs the files. Both, or neither, is a SessionError."""
     _current().snapshots.jit_saver = jit_saver(save, files)
 
 
@@ -445,8 +452,11 @@ def report(
     ft-train's meaning: the directory is left to the caller). A committed checkpoint reported
     again is never deleted.
     `checkpoint_upload_fn`, `validation`: not supported, refused (SessionError).
-    `snapshot`: {file name: state} or save(directory), for the in-memory tier every
-    `snapshot_every` reports (`ft_train.worker.snapshots`)."""
+    `snapshot`: this rank's state for the in-memory tier, taken at every
+    `CheckpointConfig.snapshot_every`-th report and ignored at the others: {file name: state},
+    copied into one buffer kept from one snapshot to the next and sent to the holders in the
+    background (a restore saves the files with torch.save), or a function save(directory)
+    called in report() (`ft_train.worker.snapshots`)."""
     if checkpoint_upload_fn is not None or validation:  # refused wherever it is called
         report_config.refuse_unsupported(checkpoint_upload_fn, validation)
     _current().report(
