@@ -240,10 +240,10 @@ def test_getting_started_loop_faulted_in_epoch_2_sees_the_same_batches(
     want = reference(ray_patterns.getting_started, config)
     expected = orders(want)
     assert expected[0] != expected[1], "the shuffle gives each epoch its own order"
-    assert sorted(expected[0]) == sorted(expected[1])  # the same shard, reordered
     got = orders(result)
     for epoch in range(4):
-        assert got[epoch] == expected[epoch], f"epoch {epoch} saw other batches"
+        again = " (epoch 0's: its sampler's epoch restarted)" if got[epoch] == expected[0] else ""
+        assert got[epoch] == expected[epoch], f"epoch {epoch} saw other batches{again}"
     assert_bit_identical(stored(result.checkpoint, "model.pt"), stored(want.checkpoint, "model.pt"))
 
 
