@@ -302,8 +302,9 @@ def test_polled_preemption_notice_saves_a_just_in_time_checkpoint(
     restored = load_state(storage, "preempted").attempts[1].restored_from
     assert restored in saved, f"resumed from {restored}, not the just-in-time checkpoint"
     step = saved[restored]["step"]
-    # polls agree every few calls (at most AGREE_EVERY_MAX apart): within that of the notice
-    assert 44 <= step <= 44 + AGREE_EVERY_MAX, step
+    # the ranks agree every few polls (at most AGREE_EVERY_MAX apart), each agreement read at
+    # the poll after it started: the loop learns of the notice within that many steps
+    assert 44 <= step <= 44 + AGREE_EVERY_MAX + 1, step
     assert result.metrics["resumed_from"] == step + 1
     want = reference(ray_patterns.preemption_jit, config)
     assert_bit_identical(
