@@ -28,36 +28,7 @@ import ft_train
 import ft_train.torch
 from ft_train.testing.faults import maybe_inject
 
-try:
-    from ft_train.torch import TorchTrainer
-except ImportError:  # TEMPORARY (issue 41): until ft_train.torch.TorchTrainer lands; remove then.
-
-    class TorchTrainer:  # type: ignore[no-redef]
-        """A stand-in for Ray's entry: `fit()` is a Python call of the `ft-train` flow."""
-
-        def __init__(
-            self,
-            train_loop_per_worker,
-            *,
-            train_loop_config=None,
-            scaling_config=None,
-            run_config=None,
-            cluster=None,
-        ):
-            self.kwargs = dict(
-                train_loop=train_loop_per_worker,
-                train_loop_config=train_loop_config,
-                scaling_config=scaling_config or ft_train.ScalingConfig(),
-                run_config=run_config,
-            )
-            if cluster is not None:
-                self.kwargs["cluster"] = cluster
-
-        def fit(self) -> ft_train.TrainResult:
-            from flows.train import train
-
-            return train(**self.kwargs)
-
+from ft_train.torch import TorchTrainer
 
 __all__ = ["TorchTrainer"]
 
