@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import ft_train  # noqa: E402
-from tests.ray_patterns import TorchTrainer, worker_fault_tolerance  # noqa: E402
+from ft_train.torch import TorchTrainer  # noqa: E402
+from tests.ray_patterns import worker_fault_tolerance  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

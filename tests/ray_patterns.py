@@ -28,10 +28,6 @@ import ft_train
 import ft_train.torch
 from ft_train.testing.faults import maybe_inject
 
-from ft_train.torch import TorchTrainer
-
-__all__ = ["TorchTrainer"]
-
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # the same initial weights in every process, as a fresh run has

@@ -24,10 +24,10 @@ import torch
 
 import ft_train
 from ft_train.knobs import AGREE_EVERY_MAX
+from ft_train.torch import TorchTrainer
 from tests import ray_patterns
 from tests.conftest import StorageTarget
 from tests.helpers import REPO, assert_bit_identical, fault, load_state, run_config, wait_for
-from tests.ray_patterns import TorchTrainer
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
