@@ -114,9 +114,11 @@ class PreemptionWatcher(WorkerPlugin):
 
 class PendingAgreement:
     """One agreement: the ranks' flags, all-reduced (MAX) in the background over the control
-    group; `result()` waits for it. Every rank starts one at the same report index, so every
-    rank reads the same one. `every`: this rank's proposal for how many reports later the next
-    one starts (the group takes the largest)."""
+    group; `result()` waits for it. Every rank starts one at the same agreement point, so every
+    rank reads the same one. `every`: this rank's proposal for how many points later the next
+    one starts (the group takes the largest). `index`, `kind` and `reports` say which point this
+    is (the group checks that every rank is at the same one); `payload`: rank 0's broadcast size
+    (`ft_train.collective`)."""
 
     def __init__(
         self,
@@ -127,13 +129,18 @@ class PendingAgreement:
         finished: bool,
         every: int = 1,
         index: int = 0,
+        kind: int = 0,
+        reports: int = 0,
+        payload: int = 0,
     ):
         import torch
         import torch.distributed as dist
 
         self.world_size = world_size
         stop = _stop_for == attempt_id
-        flags = encode_flags(rank, world_size, _deadline, stop, finished, every, index)
+        flags = encode_flags(
+            rank, world_size, _deadline, stop, finished, every, index, kind, reports, payload
+        )
         self.flags = torch.tensor(flags, dtype=torch.float64)
         self.work = None
         if world_size > 1:
@@ -146,17 +153,3 @@ class PendingAgreement:
         if self.work is not None:
             self.work.wait()  # also raises the all-reduce's error (a peer lost)
         return decode_flags(self.flags.tolist(), self.world_size)
-
-
-def agree(
-    control_group,
-    rank: int,
-    world_size: int,
-    attempt_id: str,
-    finished: bool = False,
-    index: int = 0,
-) -> Agreement:
-    """The agreement, waited for."""
-    return PendingAgreement(
-        control_group, rank, world_size, attempt_id, finished, index=index
-    ).result()
