@@ -5,6 +5,7 @@ This package is the library; it never imports Prefect. The flow lives in `flows.
 
 import importlib
 
+from . import collective
 from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from .errors import (
     ConfigError,
@@ -51,6 +52,7 @@ __all__ = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "collective",
     "enable_jit_checkpoint",
     "get_checkpoint",
     "get_context",

@@ -437,6 +437,11 @@ def _current() -> Session:
     return _session
 
 
+def current_session() -> Session:
+    """The running rank's session (for ft_train's own modules); SessionError outside one."""
+    return _current()
+
+
 def install(session: Session | None) -> None:
     global _session
     _session = session

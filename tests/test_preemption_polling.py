@@ -1,0 +1,210 @@
+"""get_preemption_info() polled between reports, and ft_train.collective, on two gloo ranks.
+
+First at the session level (two spawned processes, a real gloo group, the notice set as a
+worker's SIGTERM handler sets it), then through the flow on a Dask cluster whose worker is
+retired mid-run (`Client.retire_workers`) while the loop reports only at the notice and at a
+rare periodic checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+from distributed import Client
+
+import ft_train
+from ft_train.knobs import AGREE_EVERY_MAX
+from ft_train.storage.fs import Storage
+from ft_train.worker import preemption
+from ft_train.worker import session as session_module
+from ft_train.worker.rank import _control_group, free_port
+from ft_train.worker.session import Session
+from tests.helpers import load_state, wait_for
+from tests.test_node_failures import ExternalCluster
+from tests.test_report_path import ATTEMPT_ID, spec
+
+# -- two ranks in two processes ------------------------------------------------------------------
+
+
+def _polling_rank(rank: int, port: int, script: str, interval_s: float, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    msgs: list = []
+    rank_spec = dataclasses.replace(
+        spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=interval_s
+    )
+    session = Session(rank_spec, msgs.append)
+    session.control = _control_group()
+    session_module.install(session)
+    seen: dict = {"rank": rank}
+    try:
+        SCRIPTS[script](session, rank, seen)
+        session.finish()
+        seen["finished"] = True
+    except ft_train.SessionError as e:
+        seen["error"] = str(e)
+    except Exception as e:  # what a broken broadcast raises on rank 0
+        seen["raised"] = f"{type(e).__name__}: {e}"
+    session_module.install(None)
+    seen["preempted_msgs"] = [m.index for m in msgs if m.preempted is not None]
+    seen["agreements"], seen["points"] = session.agreements, session.points
+    out.put(seen)
+    dist.destroy_process_group()
+
+
+def _polled(session: Session, rank: int, seen: dict) -> None:
+    """Ray's pattern: poll every step (~1 ms), report only at the notice (once) and at a
+    periodic checkpoint every 30 steps. Rank 1's worker has notice from step 40."""
+    for step in range(1, 301):
+        if step == 40 and rank == 1:
+            preemption._deadline = time.time() + 60  # what its SIGTERM handler sets
+        time.sleep(0.001)  # the step's compute
+        info = ft_train.get_preemption_info()
+        if info is not None and "learned_at" not in seen:
+            seen["learned_at"], seen["ranks"] = step, info.preempted_ranks
+            seen["reported_before"] = info.reported
+        if info is not None and not info.reported:
+            session.report({"step": step})  # the just-in-time report
+            seen["jit_report"] = session.report_index
+            seen["reported_after"] = ft_train.get_preemption_info().reported
+        elif step % 30 == 0:
+            session.report({"step": step})
+
+
+def _unequal_polls(session: Session, rank: int, seen: dict) -> None:
+    """Rank 1 polls twice a step, rank 0 once; both report every 10 steps."""
+    for step in range(1, 101):
+        for _ in range(1 + rank):
+            ft_train.get_preemption_info()
+        if step % 10 == 0:
+            session.report({"step": step})
+
+
+def _one_more_poll_at_the_end(session: Session, rank: int, seen: dict) -> None:
+    for step in range(1, 21):
+        ft_train.get_preemption_info()
+        session.report({"step": step})
+    if rank == 1:
+        ft_train.get_preemption_info()
+
+
+def _collectives(session: Session, rank: int, seen: dict) -> None:
+    """Barriers and broadcasts between reports, with an agreement pending at each (interval 0)."""
+    got = []
+    for step in range(1, 6):
+        session.report({"step": step})
+        ft_train.collective.barrier()
+        ft_train.get_preemption_info()
+        session.report({"step": step, "half": True})
+        data = {"step": step, "from": rank, "blob": "x" * 5000} if rank == 0 else None
+        got.append(ft_train.collective.broadcast_from_rank_zero(data))
+    seen["got"] = [(d["step"], d["from"], len(d["blob"])) for d in got]
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 waits for it at the barrier
+    started = time.monotonic()
+    ft_train.collective.barrier()  # returns once both ranks are there
+    seen["barrier_waited_s"] = time.monotonic() - started
+
+
+def _barrier_against_broadcast(session: Session, rank: int, seen: dict) -> None:
+    session.report({"step": 1})
+    if rank == 0:
+        ft_train.collective.barrier()
+    else:
+        ft_train.collective.broadcast_from_rank_zero(None)
+
+
+def _unpicklable_broadcast(session: Session, rank: int, seen: dict) -> None:
+    session.report({"step": 1})
+    ft_train.collective.broadcast_from_rank_zero(threading.Lock() if rank == 0 else None)
+
+
+SCRIPTS = {
+    "polled": _polled,
+    "unequal_polls": _unequal_polls,
+    "one_more_poll_at_the_end": _one_more_poll_at_the_end,
+    "collectives": _collectives,
+    "barrier_against_broadcast": _barrier_against_broadcast,
+    "unpicklable_broadcast": _unpicklable_broadcast,
+}
+
+
+def run_two_ranks(script: str, interval_s: float = 0.0) -> dict[int, dict]:
+    """Both ranks' findings; a rank that hangs fails the test at the queue's timeout."""
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(target=_polling_rank, args=(r, port, script, interval_s, out)) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return {r["rank"]: r for r in results}
+
+
+def test_a_polled_notice_reaches_every_rank_at_the_same_call_between_reports():
+    """agreement_interval_s=0.05 with a poll every ~1 ms: an agreement every ~16 polls. Rank 1's
+    notice from step 40 reaches both ranks at the same step, within AGREE_EVERY_MAX + 1 polls,
+    with no report in between; the just-in-time report tells the driver, once, and
+    `reported` turns True at the same call on both."""
+    seen = run_two_ranks("polled", interval_s=0.05)
+    learned = seen[0]["learned_at"]
+    assert 40 < learned <= 40 + AGREE_EVERY_MAX + 1, seen
+    for rank in (0, 1):
+        s = seen[rank]
+        assert s.get("finished"), seen
+        assert (s["learned_at"], s["ranks"]) == (learned, [1]), seen
+        assert (s["reported_before"], s["reported_after"]) == (False, True), seen
+        assert s["preempted_msgs"] == [s["jit_report"]], seen  # the jit report tells the driver
+        assert s["agreements"] <= s["points"] // 4, seen  # not one a poll
+
+
+def test_ranks_that_poll_a_different_number_of_times_fail_with_a_session_error():
+    seen = run_two_ranks("unequal_polls", interval_s=0.0)
+    for rank in (0, 1):
+        assert "finished" not in seen[rank], seen
+        assert "same number of times" in seen[rank]["error"], seen
+
+
+def test_one_extra_poll_before_returning_fails_both_ranks_when_they_return():
+    seen = run_two_ranks("one_more_poll_at_the_end", interval_s=0.05)
+    for rank in (0, 1):
+        assert "finished" not in seen[rank], seen
+        assert "same number of times" in seen[rank]["error"], seen
+
+
+def test_barrier_and_broadcast_between_reports_keep_the_agreement_in_order():
+    seen = run_two_ranks("collectives", interval_s=0.0)
+    for rank in (0, 1):
+        assert seen[rank].get("finished"), seen
+        assert seen[rank]["got"] == [(step, 0, 5000) for step in range(1, 6)], seen
+    assert seen[0]["barrier_waited_s"] > 0.15, seen  # for rank 1, 0.3 s late at the last one
+
+
+def test_a_barrier_met_by_a_broadcast_fails_both_ranks_rather_than_pairing_them():
+    seen = run_two_ranks("barrier_against_broadcast")
+    for rank in (0, 1):
+        assert "another order" in seen[rank]["error"], seen
+
+
+def test_a_broadcast_that_does_not_pickle_fails_every_rank_without_a_hang():
+    seen = run_two_ranks("unpicklable_broadcast")
+    assert "pickle" in seen[0]["raised"], seen
+    assert "could not be pickled" in seen[1]["error"], seen
+
+
+def test_the_collectives_outside_a_training_function_say_where_they_work():
+    with pytest.raises(ft_train.SessionError, match="inside a training function"):
+        ft_train.collective.barrier()
