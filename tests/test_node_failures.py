@@ -204,7 +204,7 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
 
     threading.Thread(target=preempt_w0, daemon=True).start()
     config = demo_config([gate], epochs=3)  # 36 steps
-    result = cluster.train(storage, "preempted", config, max_failures=0, preemption_grace_s=60)
+    result = cluster.train(storage, "preempted", config, max_failures=0, preemption_notice_s=60)
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
@@ -283,7 +283,7 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(
         f"retired-{close}",
         config,
         max_failures=0,
-        preemption_grace_s=120,
+        preemption_notice_s=120,
         agreement_interval_s=0,
     )
     assert result.status == "finished"
