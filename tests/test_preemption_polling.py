@@ -26,7 +26,7 @@ from ft_train.worker.rank import _control_group, free_port
 from ft_train.worker.session import Session
 from tests.helpers import load_state, wait_for
 from tests.test_node_failures import ExternalCluster
-from tests.test_report_path import ATTEMPT_ID, spec
+from tests.test_report_path import spec
 
 # -- two ranks in two processes ------------------------------------------------------------------
 
@@ -208,3 +208,110 @@ def test_a_broadcast_that_does_not_pickle_fails_every_rank_without_a_hang():
 def test_the_collectives_outside_a_training_function_say_where_they_work():
     with pytest.raises(ft_train.SessionError, match="inside a training function"):
         ft_train.collective.barrier()
+
+
+# -- through the flow: a worker retired mid-run ------------------------------------------------
+
+
+def polled_loop(config: dict) -> None:
+    """Ray's just-in-time pattern, ported by renaming: poll get_preemption_info() at every
+    step, report (with a checkpoint) only when it is not None, once, plus a rare periodic
+    checkpoint every `every` steps and at the end. Rank 0 holds at step `hold` until its worker
+    has notice (a gate: the test retires the worker then). `step_s`: a step's compute."""
+    import torch
+
+    from ft_train.testing.faults import maybe_inject
+
+    rank = ft_train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    step = 0
+    if (checkpoint := ft_train.get_checkpoint()) is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"))
+        model.load_state_dict(state["model"])
+        step = state["step"]
+    resumed_from, saved = step, False
+
+    def report(metrics: dict) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "step": step}, os.path.join(d, "state.pt"))
+            attached = ft_train.Checkpoint.from_directory(d) if rank == 0 else None
+            ft_train.report(metrics, checkpoint=attached)
+
+    while step < config["steps"]:
+        maybe_inject(config["faults"], rank, step)
+        if config["step_s"]:
+            time.sleep(config["step_s"])
+        with torch.no_grad():
+            model.weight.add_(0.001)
+        step += 1
+        metrics = {"step": step, "resumed_from": resumed_from}
+        info = ft_train.get_preemption_info()
+        if info is not None and not saved:
+            report({**metrics, "jit": True})
+            saved = True
+        elif step % config["every"] == 0 or step == config["steps"]:
+            report(metrics)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = ExternalCluster(tmp_path)
+    try:
+        for i in range(3):
+            c.add_worker(f"w{i}")
+        c.wait_workers(["w0", "w1", "w2"])
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize(
+    "pace",
+    [
+        {"steps": 400, "every": 100, "hold": 150, "step_s": 0.0},  # a few ms a step
+        {"steps": 80, "every": 20, "hold": 30, "step_s": 0.05},  # 50 ms a step
+    ],
+    ids=["fast", "slow"],
+)
+@pytest.mark.parametrize("storage", ["local"], indirect=True)
+def test_a_polled_just_in_time_checkpoint_is_saved_when_a_worker_is_retired(
+    storage, tmp_path, cluster, pace
+):
+    gate = {"rank": 0, "step": pace["hold"], "kind": "until_preempted"}
+    gate["marker"] = str(tmp_path / "gate")
+    retired_at = []
+
+    def retire_w0():
+        wait_for(lambda: os.path.exists(gate["marker"]), 240, "rank 0 to reach the gate")
+        with Client(cluster.address, timeout=30) as c:
+            retired_at.append(time.monotonic())
+            c.retire_workers([cluster.workers()["w0"]], close_workers=True)
+
+    threading.Thread(target=retire_w0, daemon=True).start()
+    config = {**{k: pace[k] for k in ("steps", "every", "step_s")}, "faults": [gate]}
+    result = cluster.train(
+        storage,
+        "polled",
+        config,
+        train_loop="tests.test_preemption_polling:polled_loop",
+        max_failures=0,
+        preemption_notice_s=120,
+    )
+    assert result.status == "finished"
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
+    # The notice came at step `hold`, after the periodic checkpoint of step `every` (report 1).
+    # Polled at every step, it reached both ranks within AGREE_EVERY_MAX + 1 polls; the loop
+    # reported its just-in-time checkpoint there (report 2), committed before w0 left, and the
+    # run resumed from it: later than the last periodic checkpoint.
+    state = load_state(storage, "polled")
+    restored = state.attempts[1].restored_from
+    assert restored is not None and restored.startswith("checkpoint_000002-a0-"), restored
+    resumed = result.metrics["resumed_from"]
+    assert pace["hold"] < resumed <= pace["hold"] + AGREE_EVERY_MAX + 1, result.metrics
+    assert resumed > pace["every"]  # not the periodic checkpoint
+    assert time.monotonic() - retired_at[0] < 60  # let go at the commit, not at 120 s
