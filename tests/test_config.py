@@ -260,6 +260,7 @@ PUBLIC_API = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "collective",
     "enable_jit_checkpoint",
     "get_checkpoint",
     "get_context",
