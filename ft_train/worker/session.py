@@ -301,6 +301,8 @@ class Session:
         operation at a time, in the same order on every rank. A rank at another point fails
         here with the others, rather than pairing its operations with theirs."""
         self.points += 1
+        if self.control is None:  # no group to agree with (a session made by hand)
+            return Agreement(self.preemption, False, False, False, 1, True, payload)
         if self._agreement is not None:
             self._read_agreement()
         self._start_agreement(kind, payload)
