@@ -5,7 +5,8 @@
 Two spawned processes, each with a Session on a real control group (as `run_rank` makes it),
 measure: a tight loop of polls at the default `agreement_interval_s` (0.25 s) and at 0 (an
 agreement at every call, what polling would cost without the interval), and a loop of busy
-steps of `--step-ms` with and without a poll per step (the overhead a training loop sees).
+steps of `--step-ms`, each with a small all-reduce on the default group as DDP's gradient sync,
+with and without a poll per step (the overhead a training loop sees).
 Prints one JSON line per rank.
 """
 
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import statistics
 import tempfile
 import time
 
@@ -78,19 +80,36 @@ def _rank(rank: int, port: int, calls: int, step_s: float, steps: int, out) -> N
         elapsed = time.perf_counter() - started
         ft_train.collective.barrier()
         found[label] = {"us_per_call": 1e6 * elapsed / n, "agreements": s.agreements, "calls": n}
-    for poll, label in ((False, "steps_without_poll"), (True, "steps_with_poll")):
-        s = session(0.25)
-        ft_train.collective.barrier()
-        started = time.perf_counter()
-        for _ in range(steps):
-            _busy(step_s)
-            if poll:
-                ft_train.get_preemption_info()
-        elapsed = time.perf_counter() - started
-        ft_train.collective.barrier()
-        found[label] = {"ms_per_step": 1e3 * elapsed / steps, "agreements": s.agreements}
+    s = session(0.25)
+    ft_train.collective.barrier()
+    s._next_agreement = 2**62  # no agreement is due: the call's own path only
+    started = time.perf_counter()
+    for _ in range(calls):
+        ft_train.get_preemption_info()
+    found["no_agreement_due_us_per_call"] = 1e6 * (time.perf_counter() - started) / calls
+    ft_train.collective.barrier()
+    per_step: dict[str, list[float]] = {"steps_without_poll": [], "steps_with_poll": []}
+    agreements = 0
+    for _ in range(3):  # alternated, for the machine's drift
+        for poll, label in ((False, "steps_without_poll"), (True, "steps_with_poll")):
+            s = session(0.25)
+            ft_train.collective.barrier()
+            started = time.perf_counter()
+            grads = torch.zeros(1024)
+            for _ in range(steps):
+                _busy(step_s)
+                dist.all_reduce(grads)  # DDP's gradient sync: the ranks keep in step anyway
+                if poll:
+                    ft_train.get_preemption_info()
+            per_step[label].append(1e3 * (time.perf_counter() - started) / steps)
+            agreements = s.agreements if poll else agreements
+            ft_train.collective.barrier()
+    for label, figures in per_step.items():
+        found[label] = {"ms_per_step_median": statistics.median(figures), "runs": figures}
+    found["steps_with_poll"]["agreements"] = agreements
     found["poll_overhead_us_per_step"] = 1e3 * (
-        found["steps_with_poll"]["ms_per_step"] - found["steps_without_poll"]["ms_per_step"]
+        found["steps_with_poll"]["ms_per_step_median"]
+        - found["steps_without_poll"]["ms_per_step_median"]
     )
     session_module.install(None)
     out.put(found)
