@@ -49,6 +49,8 @@ def _polling_rank(rank: int, port: int, script: str, interval_s: float, out) -> 
         seen["finished"] = True
     except ft_train.SessionError as e:
         seen["error"] = str(e)
+    except preemption.GroupStop:  # what run_rank turns into a stopped rank
+        seen["stopped"] = True
     except Exception as e:  # what a broken broadcast raises on rank 0
         seen["raised"] = f"{type(e).__name__}: {e}"
     session_module.install(None)
@@ -75,6 +77,19 @@ def _polled(session: Session, rank: int, seen: dict) -> None:
             seen["reported_after"] = ft_train.get_preemption_info().reported
         elif step % 30 == 0:
             session.report({"step": step})
+
+
+def _return_at_the_notice(session: Session, rank: int, seen: dict) -> None:
+    """A report every 5 steps, a poll every step; the loop returns as soon as it is told
+    (it counts its last periodic checkpoint as saved), without another report."""
+    for step in range(1, 101):
+        if step == 12 and rank == 1:
+            preemption._deadline = time.time() + 60
+        if step % 5 == 0:
+            session.report({"step": step})
+        if ft_train.get_preemption_info() is not None:
+            seen["returned_at"] = step
+            return
 
 
 def _unequal_polls(session: Session, rank: int, seen: dict) -> None:
@@ -128,6 +143,7 @@ def _unpicklable_broadcast(session: Session, rank: int, seen: dict) -> None:
 SCRIPTS = {
     "polled": _polled,
     "unequal_polls": _unequal_polls,
+    "return_at_the_notice": _return_at_the_notice,
     "one_more_poll_at_the_end": _one_more_poll_at_the_end,
     "collectives": _collectives,
     "barrier_against_broadcast": _barrier_against_broadcast,
@@ -169,6 +185,16 @@ def test_a_polled_notice_reaches_every_rank_at_the_same_call_between_reports():
         assert (s["reported_before"], s["reported_after"]) == (False, True), seen
         assert s["preempted_msgs"] == [s["jit_report"]], seen  # the jit report tells the driver
         assert s["agreements"] <= s["points"] // 4, seen  # not one a poll
+
+
+def test_returning_at_a_notice_learned_between_reports_leaves_as_a_stopped_group():
+    """No report told the driver (the notice came at a poll): the ranks leave as a stopped
+    group, which the driver restarts from the latest checkpoint, instead of finishing."""
+    seen = run_two_ranks("return_at_the_notice")
+    for rank in (0, 1):
+        assert seen[rank].get("stopped") and "finished" not in seen[rank], seen
+        assert seen[rank]["returned_at"] == 13, seen  # the poll after the one it started at
+        assert seen[rank]["preempted_msgs"] == [], seen
 
 
 def test_ranks_that_poll_a_different_number_of_times_fail_with_a_session_error():

@@ -365,7 +365,8 @@ class Session:
 
     def finish(self) -> None:
         """The training function returned: wait for the uploads still pending, and check with
-        the other ranks that they are done too."""
+        the other ranks that they are done too. Raises GroupStop where the ranks returned
+        after learning of a notice that no report has told the driver."""
         if self._agreement is not None:
             previous, self._agreement = self._agreement, None
             agreed = previous.result()
@@ -393,6 +394,12 @@ class Session:
             ).result()
             if not (agreed.all_finished and agreed.same_index):
                 raise SessionError(_UNEQUAL.format(self.report_index + 1))
+        if self._untold:
+            # The ranks learned of a notice between reports and returned without another: the
+            # loop stopped for it (as ft-train's examples do once they have saved), and no
+            # report told the driver. Leave as a stopped group: the driver restarts from the
+            # latest checkpoint, as after a report that told it.
+            raise preemption.GroupStop()
 
     def stopped(self, timeout_s: float = knobs.STOP_FLUSH_S) -> None:
         """The group is stopping (the driver's GroupStop, or a failure): give the pending
