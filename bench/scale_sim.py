@@ -164,7 +164,7 @@ class SimCluster:
     def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
         return False
 
-    def watch_preemption(self, grace_s: float) -> None:
+    def watch_preemption(self, notice_s: float) -> None:
         pass
 
     def warm(self, modules: tuple[str, ...]) -> None:

@@ -6,6 +6,7 @@ This package is the library; it never imports Prefect. The flow lives in `flows.
 import importlib
 import sys
 
+from . import collective
 from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from .errors import (
     ConfigError,
@@ -59,6 +60,7 @@ __all__ = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "collective",
     "enable_jit_checkpoint",
     "get_all_reported_checkpoints",
     "get_checkpoint",

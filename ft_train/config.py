@@ -103,6 +103,24 @@ class ScalingConfig(_Config):
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
+_GRACE_IS_RAYS = (
+    "preemption_grace_s is Ray Train's setting: how long the ranks that stay may keep running "
+    "past a preemption's deadline; ft-train stops the group at the deadline (Ray's default, 0), "
+    "so only 0 is accepted. The time a worker told to leave stays for a just-in-time "
+    "checkpoint, which ft-train named preemption_grace_s before, is now "
+    "failure_config.preemption_notice_s"
+)
+_RAY_ONLY = {
+    "relax_collectives_on_preemption": "ft-train does not offer it: every rank, leaving or "
+    "not, takes part in every report() and get_preemption_info() until the group stops, so "
+    "the leaving ranks save too; leave it out",
+    "controller_failure_limit": "ft-train has no retryable controller failures to count: a "
+    "(re)start that cannot find workers fails after scaling_config.worker_start_timeout_s, "
+    "and a group that fails three times in a row before all its ranks joined ends the run; "
+    "leave it out (rank and worker failures: failure_config.max_failures)",
+}
+
+
 class FailureConfig(_Config):
     """How many worker-group failures the run survives."""
 
@@ -125,19 +143,27 @@ class FailureConfig(_Config):
         description="Restarts after a worker was told to leave (SIGTERM): -1 = unlimited. "
         "They do not count toward max_failures.",
     )
-    preemption_grace_s: float = Field(
+    preemption_notice_s: float = Field(
         30.0,
         ge=0,
-        description="How long a worker told to leave stays, for the ranks to save a "
-        "just-in-time checkpoint (they learn of it within agreement_interval_s of reports).",
+        description="How long a worker told to leave (SIGTERM, Client.retire_workers) stays, for "
+        "the ranks to save a just-in-time checkpoint (they learn of it within "
+        "agreement_interval_s of report()/get_preemption_info() calls). ft-train's setting; "
+        "before it was named preemption_grace_s.",
+    )
+    preemption_grace_s: float = Field(
+        0.0,
+        ge=0,
+        description="Ray Train's setting: how long the ranks that stay may keep running past a "
+        "preemption's deadline. ft-train stops the group at the deadline, Ray's default: only 0.",
     )
     agreement_interval_s: float = Field(
         0.25,
         ge=0,
-        description="The ranks agree on what they must all learn at the same report() (a worker "
-        "leaving, the driver's stop) at reports about this far apart (at most 16 reports): they "
-        "learn of it within this long, plus one report. 0: at every report(), which costs "
-        "~0.3 ms a report on a busy CPU.",
+        description="The ranks agree on what they must all learn at the same call of report() or "
+        "get_preemption_info() (a worker leaving, the driver's stop) at calls about this far "
+        "apart (at most 16 calls): they learn of it within this long, plus one call. 0: at "
+        "every call, which costs ~0.3 ms a call on a busy CPU.",
     )
     hang_timeout_s: float | None = Field(
         1800.0,
@@ -146,6 +172,24 @@ class FailureConfig(_Config):
         "last report) is hung: the group restarts. Collectives time out a little earlier. "
         "None: no watchdog (collectives keep torch's 30-minute timeout).",
     )
+
+    @field_validator("preemption_grace_s")
+    @classmethod
+    def _ray_grace(cls, grace_s: float) -> float:
+        if grace_s != 0:
+            raise ValueError(_GRACE_IS_RAYS)
+        return grace_s
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_only(cls, data: Any) -> Any:
+        """Ray Train's FailureConfig settings that ft-train does not offer, refused by name
+        with what to use instead (rather than "no such setting")."""
+        if isinstance(data, dict):
+            for name, why in _RAY_ONLY.items():
+                if name in data:
+                    raise ValueError(f"failure_config.{name} is Ray Train's: {why}")
+        return data
 
     @property
     def collective_timeout_s(self) -> float:

@@ -14,6 +14,7 @@ Worker group -> controller (one queue, `ft_train.driver.worker_group`):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,22 +139,62 @@ GroupEvent = Reported | RankEnded | WorkerLost | PreemptNotice | LeaseLost
 
 @dataclass(frozen=True)
 class PreemptionInfo:
-    """What `ft_train.get_preemption_info()` returns once the group has been given notice."""
+    """What `ft_train.get_preemption_info()` returns once the group has been given notice.
+
+    `ranks` and `deadline` are ft-train's; `preempted_ranks` and `deadline_ms` are the same
+    facts under Ray Train's names. `reported`: this rank has called report() since the call that
+    first returned the notice (the same call on every rank), so a loop can tell that its
+    just-in-time report is done."""
 
     ranks: tuple[int, ...]  # the ranks whose workers are leaving
     deadline: float  # epoch seconds by which the first of them leaves
+    reported: bool = False
+
+    @property
+    def preempted_ranks(self) -> list[int]:
+        """Ray's name: the leaving ranks, ascending."""
+        return sorted(self.ranks)
+
+    @property
+    def deadline_ms(self) -> int:
+        """Ray's name: the deadline in epoch milliseconds."""
+        return int(self.deadline * 1000)
+
+
+class Point(enum.IntEnum):
+    """What a rank was doing at an agreement point (`ft_train.worker.session`): every rank
+    must pass the same points in the same order."""
+
+    REPORT = 1
+    POLL = 2  # get_preemption_info()
+    BARRIER = 3  # ft_train.collective.barrier()
+    BROADCAST = 4  # ft_train.collective.broadcast_from_rank_zero()
+    FINISH = 5  # the training function returned
+
+    def call(self) -> str:
+        return _CALLS[self]
+
+
+_CALLS = {
+    Point.REPORT: "report()",
+    Point.POLL: "get_preemption_info()",
+    Point.BARRIER: "ft_train.collective.barrier()",
+    Point.BROADCAST: "ft_train.collective.broadcast_from_rank_zero()",
+    Point.FINISH: "the return from the training function",
+}
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank learns at the same report(), from one all-reduce (MAX) of `flags`."""
+    """What every rank learns at the same agreement point, from one all-reduce (MAX) of `flags`."""
 
     preemption: PreemptionInfo | None
     stop: bool  # the driver asked the group to stop
     any_finished: bool  # some rank has returned from its training function
     all_finished: bool
-    every: int  # the next agreement starts this many reports later
-    same_index: bool  # every rank started it at the same report index
+    every: int  # the next agreement starts this many points later
+    same_index: bool  # every rank started it at the same point (index, kind and report count)
+    payload: int = 0  # rank 0's: a broadcast's size in bytes plus one, 0 if it has none
 
 
 def encode_flags(
@@ -164,12 +205,16 @@ def encode_flags(
     finished: bool,
     every: int,
     index: int,
+    kind: int = 0,
+    reports: int = 0,
+    payload: int = 0,
 ) -> list[float]:
     """One rank's flags. Reduced with MAX: a slot per rank (its worker has notice), then the
     negated earliest deadline, stop, finished (any), not finished (any), the largest `every`,
-    and the index both ways (the highest, and the negated lowest)."""
+    the point's index, kind (`Point`) and report count, each both ways (the highest, and the
+    negated lowest: equal on every rank if they agree), and rank 0's `payload`."""
     w = world_size
-    flags = [0.0] * (w + 7)  # a list first: a tensor's item assignments cost ~10 us each
+    flags = [0.0] * (w + 12)  # a list first: a tensor's item assignments cost ~10 us each
     flags[w] = float("-inf") if deadline is None else -deadline
     if deadline is not None:
         flags[rank] = 1.0
@@ -178,6 +223,9 @@ def encode_flags(
     flags[w + 3] = 0.0 if finished else 1.0
     flags[w + 4] = float(every)
     flags[w + 5], flags[w + 6] = float(index), -float(index)
+    flags[w + 7], flags[w + 8] = float(kind), -float(kind)
+    flags[w + 9], flags[w + 10] = float(reports), -float(reports)
+    flags[w + 11] = float(payload)
     return flags
 
 
@@ -192,5 +240,6 @@ def decode_flags(flags: list[float], world_size: int) -> Agreement:
         bool(flags[w + 2]),
         not flags[w + 3],
         every=int(flags[w + 4]),
-        same_index=flags[w + 5] == -flags[w + 6],
+        same_index=all(flags[w + i] == -flags[w + i + 1] for i in (5, 7, 9)),
+        payload=int(flags[w + 11]),
     )

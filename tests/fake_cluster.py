@@ -146,8 +146,8 @@ class FakeCluster:
     def can_grow(self, plan, current, exclude) -> bool:
         return self.grow
 
-    def watch_preemption(self, grace_s: float) -> None:
-        self.watching.append(grace_s)
+    def watch_preemption(self, notice_s: float) -> None:
+        self.watching.append(notice_s)
 
     def warm(self, modules: tuple[str, ...]) -> None:
         self.warmed.append(modules)

@@ -126,9 +126,9 @@ KINDS: dict[str, Kind] = {
     "freeze": Kind("freeze", "hang", exact_step=False),
     "node_loss": Kind("wait", "node_loss", external=True, action=take_node_away),
     # The rank holds until its worker has notice, which it has at its next report; every rank
-    # learns it at the report after that (the agreement started at one report is read at the
-    # next) and saves a just-in-time checkpoint (an extra report, unless that step checkpoints
-    # anyway).
+    # learns it at the call after that, the same step's get_preemption_info() (the agreement
+    # started at one call is read at the next), and saves a just-in-time checkpoint (an extra
+    # report, unless that step checkpointed anyway).
     "preemption": Kind(
         "until_preempted", "preemption", charged=False, external=True, action=tell_worker_to_leave
     ),
@@ -162,11 +162,11 @@ SCHEDULE = [
         (31, 0, "hang"),
         (32, 1, "node_loss"),
         (34, 0, "kill"),
-        (35, 1, "preemption"),  # learned at step 37: a just-in-time checkpoint, one report more
+        (35, 1, "preemption"),  # learned at step 36, a checkpoint anyway
         (37, 1, "raise"),  # the first step of epoch 4
         (38, 0, "raise"),
         (40, 1, "kill"),
-        (43, 0, "preemption"),  # learned at step 45, a checkpoint anyway
+        (43, 0, "preemption"),  # learned at step 44: a just-in-time checkpoint, one report more
         (46, 1, "raise"),
         (47, 0, "kill"),  # the last step
     ]
@@ -195,7 +195,7 @@ class Expected:
 def timeline() -> tuple[list[Expected], list[int]]:
     """What each fault of SCHEDULE must leave in the run state, and the report index of every
     checkpoint. One report per training step, plus one for each just-in-time checkpoint."""
-    jit = {f.step + 2 for f in SCHEDULE if f.kind == "preemption" and (f.step + 2) % EVERY}
+    jit = {f.step + 1 for f in SCHEDULE if f.kind == "preemption" and (f.step + 1) % EVERY}
 
     def index(step: int) -> int:  # the last report index once `step` is done
         return step + sum(j <= step for j in jit)
@@ -203,8 +203,8 @@ def timeline() -> tuple[list[Expected], list[int]]:
     checkpoints = sorted(set(range(EVERY, STEPS + 1, EVERY)) | jit)
     expected = []
     for f in SCHEDULE:
-        if f.kind == "preemption":  # learned a report later; saved then, or at the JIT one
-            expected.append(Expected(index(f.step + 2), index(f.step + 2), f.step + 2))
+        if f.kind == "preemption":  # learned a step later; saved then, or at the JIT one
+            expected.append(Expected(index(f.step + 1), index(f.step + 1), f.step + 1))
         else:
             at = max((c for c in checkpoints if c <= f.step), default=0)
             expected.append(Expected(index(f.step), index(at), at))
@@ -349,7 +349,7 @@ def drive(args: dict) -> ft_train.TrainResult:
             name=args["name"],
             storage_path=args["storage_path"],
             storage_options=args["storage_options"],
-            # agreement_interval_s=0: a notice lands at the very next report (the schedule's
+            # agreement_interval_s=0: a notice lands at the very next call (the schedule's
             # report indices count on it)
             failure_config=ft_train.FailureConfig(
                 max_failures=-1, hang_timeout_s=HANG_TIMEOUT_S, agreement_interval_s=0

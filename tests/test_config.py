@@ -267,6 +267,7 @@ PUBLIC_API = [
     "TrainingFailedError",
     "WorkerGroupError",
     "WorkerStartupError",
+    "collective",
     "enable_jit_checkpoint",
     "get_all_reported_checkpoints",
     "get_checkpoint",

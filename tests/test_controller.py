@@ -114,7 +114,7 @@ def test_a_start_records_the_attempt_and_watches_for_preemption(make):
     group = started(ctl)
     assert group.addresses == cluster.workers[:2] and group.started_from == (None, 0)
     assert ctl.state.status == "running" and ctl.state.attempts[0].world_size == 2
-    assert cluster.watching == [ctl.failure_config.preemption_grace_s]
+    assert cluster.watching == [ctl.failure_config.preemption_notice_s]
     assert rec.calls == [("attempt", 0)]
 
 

@@ -204,18 +204,19 @@ def test_sigterm_to_a_worker_gives_notice_and_a_just_in_time_checkpoint(storage,
 
     threading.Thread(target=preempt_w0, daemon=True).start()
     config = demo_config([gate], epochs=3)  # 36 steps
-    result = cluster.train(storage, "preempted", config, max_failures=0, preemption_grace_s=60)
+    result = cluster.train(storage, "preempted", config, max_failures=0, preemption_notice_s=60)
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
     state = load_state(storage, "preempted")
-    # rank 0 had notice at the report of step 8; the ranks agree every few reports (they are
-    # milliseconds apart here: FailureConfig.agreement_interval_s), so every rank learned it at
-    # the same report within AGREE_EVERY_MAX of it; the loop saved a just-in-time checkpoint
-    # there (an extra report, unless that step checkpointed anyway) that was committed before
-    # w0 left, and the run resumed from it
+    # rank 0 had notice at the report of step 8; the ranks agree every few calls of report()
+    # and get_preemption_info() (the demo makes one of each a step, milliseconds apart here:
+    # FailureConfig.agreement_interval_s), so every rank learned it at the same call within
+    # AGREE_EVERY_MAX calls of it; the loop saved a just-in-time checkpoint there (an extra
+    # report, unless that step checkpointed anyway) that was committed before w0 left, and the
+    # run resumed from it
     learned = result.last_metrics["resumed_from"]
-    assert 9 <= learned <= 8 + AGREE_EVERY_MAX
+    assert 8 <= learned <= 8 + AGREE_EVERY_MAX
     jit_index = learned if learned % config["checkpoint_every"] == 0 else learned + 1
     jit = state.attempts[1].restored_from
     assert jit is not None and jit.startswith(f"checkpoint_{jit_index:06d}-a0-")
@@ -283,19 +284,20 @@ def test_a_retired_worker_gives_notice_and_a_just_in_time_checkpoint(
         f"retired-{close}",
         config,
         max_failures=0,
-        preemption_grace_s=120,
+        preemption_notice_s=120,
         agreement_interval_s=0,
     )
     assert result.status == "finished"
     (failure,) = result.failures
     assert (failure.kind, failure.rank, failure.charged) == ("preemption", 0, False)
-    # rank 0 had notice at the report of step 8, every rank learned it at the next report (the
-    # agreement started at one report is read at the next), step 9's; the loop saved a
-    # just-in-time checkpoint (report 10), committed before w0 left, and the run resumed from it
+    # rank 0 had notice at the report of step 8, every rank learned it at the next call (the
+    # agreement started at one call is read at the next), step 8's get_preemption_info(); the
+    # loop saved a just-in-time checkpoint (report 9), committed before w0 left, and the run
+    # resumed from it
     state = load_state(storage, f"retired-{close}")
     jit = state.attempts[1].restored_from
-    assert jit is not None and jit.startswith("checkpoint_000010-a0-")
-    assert result.last_metrics["resumed_from"] == 9
+    assert jit is not None and jit.startswith("checkpoint_000009-a0-")
+    assert result.last_metrics["resumed_from"] == 8
     # w0 was let go once the checkpoint was committed, not when its notice ran out
     assert time.monotonic() - retired_at[0] < 60
     wait_for(lambda: "w0" not in cluster.workers(), 30, "w0 to leave")

@@ -172,7 +172,7 @@ class Controller:
         self.store.fence()  # no ranks for a run that is another driver's now
         attempt = len(self.state.attempts)
         if not self._watching:  # on every worker, and on those that join later
-            self.cluster.watch_preemption(self.failure_config.preemption_grace_s)
+            self.cluster.watch_preemption(self.failure_config.preemption_notice_s)
             self.cluster.hold_snapshots()
             self._watching = True
         group = self.cluster.new_group(attempt, self.events, self._run_uri)

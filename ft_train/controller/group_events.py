@@ -96,7 +96,7 @@ def _on_lost(ctl: Controller, s: GroupState, event: WorkerLost) -> State:
     if event.expected:
         # Retired on purpose (Client.retire_workers): the scheduler has let it go, but its
         # process stays while its rank runs. Give the ranks notice, as SIGTERM would.
-        deadline = time.time() + ctl.failure_config.preemption_grace_s
+        deadline = time.time() + ctl.failure_config.preemption_notice_s
         s.attempt.group.give_notice(event.address, deadline)
         return _noted(ctl, s, {event.address}, deadline, boundary=False)
     return _lost(ctl, s, event.address)

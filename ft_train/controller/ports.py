@@ -81,7 +81,7 @@ class Cluster(Protocol):
 
     def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool: ...
 
-    def watch_preemption(self, grace_s: float) -> None:
+    def watch_preemption(self, notice_s: float) -> None:
         """Give every worker (and those that join later) its preemption watcher."""
         ...
 

@@ -355,9 +355,9 @@ class DaskCluster:
     def can_grow(self, plan: GroupPlan, current: list[str], exclude: set[str]) -> bool:
         return more_workers_available(self.client, plan, current, exclude)
 
-    def watch_preemption(self, grace_s: float) -> None:
+    def watch_preemption(self, notice_s: float) -> None:
         # waited for: without it no worker gets notice of its preemption
-        self._register(PreemptionWatcher(grace_s), knobs.ANSWER_TIMEOUT_S, logger.warning)
+        self._register(PreemptionWatcher(notice_s), knobs.ANSWER_TIMEOUT_S, logger.warning)
 
     def warm(self, modules: tuple[str, ...]) -> None:
         # the run may be over before it is done: no matter, the workers only start cold

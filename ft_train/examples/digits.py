@@ -109,7 +109,8 @@ def train_loop(config: dict[str, Any]) -> None:
             else:
                 ft_train.report(metrics)
             if ft_train.get_preemption_info() is not None:
-                # A worker is leaving: every rank learned it at this same report. Save a
+                # A worker is leaving: every rank learned it at this same call (or at the
+                # report just before: each call is an agreement point). Save a
                 # just-in-time checkpoint (unless this step just did) and stop; the run goes
                 # on from it on other workers.
                 if not checkpointed:

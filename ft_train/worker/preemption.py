@@ -1,20 +1,21 @@
 """Preemption: a worker told to leave gives its ranks notice before it goes.
 
 The `PreemptionWatcher` worker plugin replaces the worker's SIGTERM handler: instead of closing
-at once, the worker notes a deadline (now + grace), tells the driver, and closes itself at the
-deadline unless the driver has released it sooner. A worker retired through the scheduler
-(`Client.retire_workers`) gets the same notice: the driver sends it when the scheduler reports
-the worker's removal, and the plugin's teardown keeps the closing worker's process until its
-rank has left or the notice runs out. Every rank learns of the notice at the same
-`report()` boundary: reports all-reduce the ranks' local notices over a small gloo group,
-so the training function can save a just-in-time checkpoint that is committed before the worker
-leaves. The restart that follows is charged to `max_preemption_failures`, not `max_failures`.
+at once, the worker notes a deadline (now + `FailureConfig.preemption_notice_s`), tells the
+driver, and closes itself at the deadline unless the driver has released it sooner. A worker
+retired through the scheduler (`Client.retire_workers`) gets the same notice: the driver sends it
+when the scheduler reports the worker's removal, and the plugin's teardown keeps the closing
+worker's process until its rank has left or the notice runs out. Every rank learns of the notice
+at the same call of `report()` or `get_preemption_info()`: these calls all-reduce the ranks'
+local notices over a small gloo group, so the training function can save a just-in-time
+checkpoint that is committed before the worker leaves. The restart that follows is charged to
+`max_preemption_failures`, not `max_failures`.
 
 The same agreement carries the driver's request to stop a healthy group (`request_stop`, used to
-grow an elastic group): every rank then leaves its training function at the same report, and
-keeps its process. `report()` starts the agreement in the background and reads it at the next
-report, so what the ranks learn at report k+1 is what they knew at report k; with reports close
-together, only every few reports (`FailureConfig.agreement_interval_s`, `session._start_agreement`).
+grow an elastic group): every rank then leaves its training function at the same call, and
+keeps its process. A call starts the agreement in the background and the next call reads it, so
+what the ranks learn at call k+1 is what they knew at call k; with calls close together, only
+every few calls (`FailureConfig.agreement_interval_s`, `ft_train.worker.session`).
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ class PreemptionWatcher(WorkerPlugin):
 
     name = "ft-train-preemption"
 
-    def __init__(self, grace_s: float):
-        self.grace_s = grace_s
+    def __init__(self, notice_s: float):
+        self.notice_s = notice_s
 
     def setup(self, worker) -> None:
         def on_sigterm(signum, frame) -> None:
             # A signal handler: no logging here; hand the work to the event loop.
             if _deadline is None:
-                give_notice(time.time() + self.grace_s)
+                give_notice(time.time() + self.notice_s)
                 worker.loop.add_callback(self._notice, worker, _deadline)
 
         try:
@@ -99,7 +100,7 @@ class PreemptionWatcher(WorkerPlugin):
             return
         deadline = _deadline
         if deadline is None:
-            deadline = give_notice(time.time() + self.grace_s)
+            deadline = give_notice(time.time() + self.notice_s)
             worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})
         while _rank_running and time.time() < deadline:
             await asyncio.sleep(0.02)
@@ -108,15 +109,17 @@ class PreemptionWatcher(WorkerPlugin):
 
     async def _notice(self, worker, deadline: float) -> None:
         worker.log_event(TOPIC, {"worker": worker.address, "deadline": deadline})
-        await asyncio.sleep(max(0.0, deadline - time.time()))  # the grace period, then leave
+        await asyncio.sleep(max(0.0, deadline - time.time()))  # the notice, then leave
         await worker.close(reason="preempted")
 
 
 class PendingAgreement:
     """One agreement: the ranks' flags, all-reduced (MAX) in the background over the control
-    group; `result()` waits for it. Every rank starts one at the same report index, so every
-    rank reads the same one. `every`: this rank's proposal for how many reports later the next
-    one starts (the group takes the largest)."""
+    group; `result()` waits for it. Every rank starts one at the same agreement point, so every
+    rank reads the same one. `every`: this rank's proposal for how many points later the next
+    one starts (the group takes the largest). `index`, `kind` and `reports` say which point this
+    is (the group checks that every rank is at the same one); `payload`: rank 0's broadcast size
+    (`ft_train.collective`)."""
 
     def __init__(
         self,
@@ -127,13 +130,18 @@ class PendingAgreement:
         finished: bool,
         every: int = 1,
         index: int = 0,
+        kind: int = 0,
+        reports: int = 0,
+        payload: int = 0,
     ):
         import torch
         import torch.distributed as dist
 
         self.world_size = world_size
         stop = _stop_for == attempt_id
-        flags = encode_flags(rank, world_size, _deadline, stop, finished, every, index)
+        flags = encode_flags(
+            rank, world_size, _deadline, stop, finished, every, index, kind, reports, payload
+        )
         self.flags = torch.tensor(flags, dtype=torch.float64)
         self.work = None
         if world_size > 1:
@@ -146,17 +154,3 @@ class PendingAgreement:
         if self.work is not None:
             self.work.wait()  # also raises the all-reduce's error (a peer lost)
         return decode_flags(self.flags.tolist(), self.world_size)
-
-
-def agree(
-    control_group,
-    rank: int,
-    world_size: int,
-    attempt_id: str,
-    finished: bool = False,
-    index: int = 0,
-) -> Agreement:
-    """The agreement, waited for."""
-    return PendingAgreement(
-        control_group, rank, world_size, attempt_id, finished, index=index
-    ).result()

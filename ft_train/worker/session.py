@@ -7,13 +7,16 @@ report index and the attempt: uploaded before the message is sent (`checkpoint_u
 "sync"`, the default), or snapshotted and uploaded in the background, the message following the
 upload (`"async"`, see `ft_train.worker.uploads`).
 
-report() also agrees with the other ranks on what they must all learn at the same report (a
+report() also agrees with the other ranks on what they must all learn at the same call (a
 worker's preemption notice, the driver's request to stop, a rank that returned early). That
-agreement is an all-reduce over a small gloo group, started in the background at report k and
-read at report k+1, so a report() does not wait for the slowest rank: what the ranks agree on at
-report k+1 is what they knew when they called their k-th report(). With reports closer together
-than `FailureConfig.agreement_interval_s` (0.25 s), the ranks start one only every few reports
-(at most `knobs.AGREE_EVERY_MAX`), the same ones on every rank.
+agreement is an all-reduce over a small gloo group, started in the background at one agreement
+point and read at the next, so a call does not wait for the slowest rank: what the ranks agree
+on at point k+1 is what they knew at point k. The agreement points are report(),
+get_preemption_info() (so that it may be polled between reports) and ft_train.collective's
+calls, one ordered sequence on every rank. With points closer together than
+`FailureConfig.agreement_interval_s` (0.25 s), the ranks start one only every few points (at
+most `knobs.AGREE_EVERY_MAX`), the same ones on every rank. Each agreement carries its point's
+number, kind and report count: ranks whose sequences differ fail with a SessionError, not a hang.
 
 Guarantee: once `report()` has returned on every rank for round k, round k's checkpoint is
 committed even if a rank dies the next instant; with `checkpoint_upload_mode="async"`, once its
@@ -31,9 +34,11 @@ Contract (what the driver relies on):
   file changed during its upload fails the rank;
 - an asynchronous upload that fails raises at the rank's next report(), or when the training
   function returns; the function's return waits for the uploads still pending;
-- `get_preemption_info()` turns non-None at the same report on every rank: the one after the
-  first agreement started at or after the report at which some rank had notice (the next report
-  with `agreement_interval_s=0`). A checkpoint reported then is committed before it goes.
+- every rank MUST call get_preemption_info() the same number of times too, at the same places
+  between its reports; it turns non-None at the same call on every rank: the point after the
+  first agreement started at or after the call at which some rank had notice (the next call
+  with `agreement_interval_s=0`). A checkpoint reported at or after it, before the notice's
+  deadline, is committed before the worker goes.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from typing import Any
 
 from .. import knobs, report_config
 from ..errors import SessionError, StorageError
-from ..protocol import Message, PreemptionInfo, Report, UploadIntent
+from ..protocol import Agreement, Message, Point, PreemptionInfo, Report, UploadIntent
 from ..ray_names import RefusesRayNames
 from ..report_config import CheckpointConsistencyMode, CheckpointUploadMode, UploadMode
 from ..storage import checkpoint_manager
@@ -183,10 +188,16 @@ class Session:
         self.context = TrainContext(spec)
         self.control = None  # a gloo group for ft-train's own agreement (set by run_rank)
         self.preemption: PreemptionInfo | None = None
+        self._untold = False  # learned between reports: the next report's message tells the driver
+        # Agreement points, counted from 1 in each attempt: report(), get_preemption_info(),
+        # ft_train.collective's calls (`_point`). The latest agreement started at point
+        # `_agreement_point`, of kind `_agreement_kind`, after `_agreement_index` reports.
+        self.points = 0
         self._agreement: preemption.PendingAgreement | None = None  # not read yet
-        self._agreement_index = 0  # the report index the latest agreement started at
+        self._agreement_point, self._agreement_kind = 0, Point.REPORT
+        self._agreement_index = spec.start_report_index
         self._agreement_time: float | None = None  # and when (time.monotonic)
-        self._next_agreement = spec.start_report_index + 1  # the next one starts at this report
+        self._next_agreement = 1  # the next one starts at this point
         self.agreements = 0  # started so far
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
         self._labels = Labels(spec.storage, spec.name)  # report(checkpoint_dir_name=...)
@@ -285,47 +296,96 @@ class Session:
         self.send(msg)
 
     def _agree(self, msg: Report) -> Report:
-        """Read the agreement started at the previous report, if one was, and start the next
-        one if this report is the one the group agreed on. Every rank starts and reads each
-        agreement at the same report index, so all of them learn at the same report."""
-        if self._agreement is not None:
-            msg = self._read_agreement(msg)
-        if self.report_index >= self._next_agreement:
-            self._start_agreement()
+        """report()'s agreement point. Its message tells the driver of a notice the group
+        learned here or since the previous report."""
+        known = self.preemption
+        self._point(Point.REPORT)
+        if known is not None and not known.reported:  # the report after the notice
+            self.preemption = replace(known, reported=True)
+        if self._untold:
+            info, self._untold = self.preemption, False
+            assert info is not None  # set with _untold (_read_agreement)
+            msg = replace(msg, preempted=info.ranks, deadline=info.deadline)
         return msg
 
-    def _read_agreement(self, msg: Report) -> Report:
+    def poll(self) -> PreemptionInfo | None:
+        """get_preemption_info(): an agreement point, then what the group has agreed on."""
+        if self.control is not None:
+            self._point(Point.POLL)
+        return self.preemption
+
+    def _point(self, kind: Point) -> None:
+        """Read the agreement started at the previous point, if one was, and start the next one
+        if this point is the one the group agreed on. Every rank passes the same points in the
+        same order (report(), get_preemption_info() and ft_train.collective's calls, each the
+        same number of times), so every rank starts and reads each agreement at the same point,
+        and all of them learn at the same call."""
+        self.points += 1
+        if self._agreement is not None:
+            self._read_agreement()
+        if self.points >= self._next_agreement:
+            self._start_agreement(kind)
+
+    def sync_point(self, kind: Point, payload: int = 0) -> Agreement:
+        """A collective's agreement point (`ft_train.collective`): the pending agreement is
+        read first, then this one runs and is waited for, so the control group carries one
+        operation at a time, in the same order on every rank. A rank at another point fails
+        here with the others, rather than pairing its operations with theirs."""
+        self.points += 1
+        if self.control is None:  # no group to agree with (a session made by hand)
+            return Agreement(self.preemption, False, False, False, 1, True, payload)
+        if self._agreement is not None:
+            self._read_agreement()
+        self._start_agreement(kind, payload)
+        return self._read_agreement()
+
+    def _read_agreement(self) -> Agreement:
         previous, self._agreement = self._agreement, None
-        assert previous is not None  # started at an earlier report (_start_agreement)
+        assert previous is not None  # started at an earlier point (_start_agreement)
         agreed = previous.result()
         if agreed.any_finished:
             raise SessionError(_UNEQUAL.format(self._agreement_index))
+        if not agreed.same_index:
+            raise SessionError(
+                _OUT_OF_STEP.format(
+                    self._agreement_point, self._agreement_kind.call(), self._agreement_index
+                )
+            )
         if agreed.stop:
             raise preemption.GroupStop()
         if agreed.preemption is not None and self.preemption is None:
-            self.preemption = info = agreed.preemption
-            msg = replace(msg, preempted=info.ranks, deadline=info.deadline)
-        self._next_agreement = self._agreement_index + agreed.every
+            self.preemption, self._untold = agreed.preemption, True
+        self._next_agreement = self._agreement_point + agreed.every
         if self.journal is not None:
             self.journal.all_reached(self._agreement_index)
-        return msg
+        return agreed
 
-    def _start_agreement(self) -> None:
+    def _start_agreement(self, kind: Point, payload: int = 0) -> None:
         """Starting an agreement costs a rank a fraction of a millisecond on a busy CPU (the
         all-reduce's threads take its core), which a fast loop would feel. So the group
-        agrees about every `agreement_interval_s`: each rank proposes how many reports that is,
+        agrees about every `agreement_interval_s`: each rank proposes how many points that is,
         from their spacing since the previous agreement, and the group takes the largest
         proposal, at most knobs.AGREE_EVERY_MAX."""
         s, now = self.spec, time.monotonic()
         every = 1
         if s.agreement_interval_s > 0 and self._agreement_time is not None:
-            per_report = (now - self._agreement_time) / (self.report_index - self._agreement_index)
+            per_point = (now - self._agreement_time) / (self.points - self._agreement_point)
             every = knobs.AGREE_EVERY_MAX
-            if per_report > 0:
-                every = max(1, min(knobs.AGREE_EVERY_MAX, int(s.agreement_interval_s / per_report)))
+            if per_point > 0:
+                every = max(1, min(knobs.AGREE_EVERY_MAX, int(s.agreement_interval_s / per_point)))
         self._agreement = preemption.PendingAgreement(
-            self.control, s.rank, s.world_size, s.attempt_id, False, every, self.report_index
+            self.control,
+            s.rank,
+            s.world_size,
+            s.attempt_id,
+            False,
+            every,
+            self.points,
+            kind,
+            self.report_index,
+            payload,
         )
+        self._agreement_point, self._agreement_kind = self.points, kind
         self._agreement_index, self._agreement_time = self.report_index, now
         self.agreements += 1
 
@@ -336,20 +396,41 @@ class Session:
 
     def finish(self) -> None:
         """The training function returned: wait for the uploads still pending, and check with
-        the other ranks that they are done too."""
+        the other ranks that they are done too. Raises GroupStop where the ranks returned
+        after learning of a notice that no report has told the driver."""
         if self._agreement is not None:
             previous, self._agreement = self._agreement, None
-            if previous.result().any_finished:
+            agreed = previous.result()
+            if agreed.any_finished:
                 raise SessionError(_UNEQUAL.format(self._agreement_index))
+            if not agreed.same_index:
+                raise SessionError(
+                    _OUT_OF_STEP.format(
+                        self._agreement_point, self._agreement_kind.call(), self._agreement_index
+                    )
+                )
         if self._uploads is not None:
             self._uploads.flush()  # raises a failed upload's error
         if self.control is not None:
             s = self.spec
-            agreed = preemption.agree(
-                self.control, s.rank, s.world_size, s.attempt_id, True, self.report_index
-            )
+            agreed = preemption.PendingAgreement(
+                self.control,
+                s.rank,
+                s.world_size,
+                s.attempt_id,
+                True,
+                index=self.points + 1,
+                kind=Point.FINISH,
+                reports=self.report_index,
+            ).result()
             if not (agreed.all_finished and agreed.same_index):
                 raise SessionError(_UNEQUAL.format(self.report_index + 1))
+        if self._untold:
+            # The ranks learned of a notice between reports and returned without another: the
+            # loop stopped for it (as ft-train's examples do once they have saved), and no
+            # report told the driver. Leave as a stopped group: the driver restarts from the
+            # latest checkpoint, as after a report that told it.
+            raise preemption.GroupStop()
 
     def stopped(self, timeout_s: float = knobs.STOP_FLUSH_S) -> None:
         """The group is stopping (the driver's GroupStop, or a failure): give the pending
@@ -371,9 +452,17 @@ class Session:
 
 
 _UNEQUAL = (
-    "ranks called report() a different number of times: at report {}, some ranks had "
-    "returned from the training function and others had not; every rank must call report() "
+    "ranks called report() (or get_preemption_info(), or ft_train.collective's functions) a "
+    "different number of times: at report {}, some ranks had returned from the training "
+    "function and others had not; every rank must call report() and get_preemption_info() "
     "the same number of times"
+)
+_OUT_OF_STEP = (
+    "ranks called report(), get_preemption_info() and ft_train.collective's functions a "
+    "different number of times or in another order: this rank's call {} of this attempt was "
+    "{} (after report {}), and another rank's call of that number was not the same; every "
+    "rank must make these calls the same number of times, in the same order (poll "
+    "get_preemption_info() at the same place of every step, on every rank)"
 )
 
 _session: Session | None = None
@@ -386,6 +475,11 @@ def _current() -> Session:
             "(the train_loop of the `ft-train` flow)"
         )
     return _session
+
+
+def current_session() -> Session:
+    """The running rank's session (for ft_train's own modules); SessionError outside one."""
+    return _current()
 
 
 def install(session: Session | None) -> None:
@@ -405,9 +499,33 @@ def get_checkpoint() -> Checkpoint | None:
 
 
 def get_preemption_info() -> PreemptionInfo | None:
-    """Set from the report() at which the group learned that workers are leaving (the same
-    report on every rank), else None. Save a checkpoint and report it before `deadline`."""
-    return _current().preemption
+    """None until the group has learned that workers are leaving, then a `PreemptionInfo`
+    (which ranks leave, and by when) for the rest of the attempt. May be polled at every step,
+    as Ray's pattern does: every rank that calls report() and get_preemption_info() the same
+    number of times, in the same order, gets the answer at the same call. A call costs about a
+    microsecond; every `FailureConfig.agreement_interval_s` or so, one call reads the
+    agreement started at the previous one (it waits for the slowest rank to have made that
+    call) and starts the next in the background. A rank whose calls differ in number or order
+    fails with a SessionError, in every rank, at the next agreement (or when the function
+    returns). The notice reaches the ranks within `agreement_interval_s` of calls (at most
+    `knobs.AGREE_EVERY_MAX` calls), plus one.
+
+    Save a checkpoint and report it before `deadline`: a checkpoint reported at or after the
+    call that first returned the notice is committed before the worker goes, then the group
+    restarts elsewhere from it. The answer stays non-None after that report, so a loop that
+    polls at every step tells it has saved by `info.reported` (True once report() has been
+    called since that call: the same call on every rank), or by a flag of its own as in Ray's
+    example:
+
+        saved = False
+        for step in ...:
+            train_step()
+            info = ft_train.get_preemption_info()
+            if info is not None and not saved:  # or: `and not info.reported`
+                ft_train.report(metrics, checkpoint=save_checkpoint())
+                saved = True
+    """
+    return _current().poll()
 
 
 def enable_jit_checkpoint(save: Saver | None = None, *, files: StateFn | None = None) -> None:
