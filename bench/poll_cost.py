@@ -32,10 +32,11 @@ def _rank(rank: int, port: int, calls: int, step_s: float, steps: int, out) -> N
     import torch.distributed as dist
 
     import ft_train
+    from ft_train.protocol import RankSpec
     from ft_train.storage.fs import Storage
     from ft_train.worker import session as session_module
     from ft_train.worker.rank import _control_group
-    from ft_train.worker.session import RankSpec, Session
+    from ft_train.worker.session import Session
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -44,11 +44,11 @@ import msgpack
 from ft_train.controller.ports import GroupPlan
 from ft_train.driver.worker_group import WorkerGroup
 from ft_train.errors import RankFailure
-from ft_train.protocol import GroupEvent, Message, RankEnded, Started
+from ft_train.protocol import GroupEvent, Message, RankEnded, RankSpec, Started
 from ft_train.storage.checkpoint import Checkpoint
 from ft_train.worker import journal
 from ft_train.worker.journal import Journal, run_key
-from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.session import Session
 
 RANKS_PER_HOST = 8  # the simulated workers' hosts: node_rank, local_rank, journal reads
 

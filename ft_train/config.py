@@ -110,17 +110,6 @@ _GRACE_IS_RAYS = (
     "checkpoint, which ft-train named preemption_grace_s before, is now "
     "failure_config.preemption_notice_s"
 )
-_RAY_ONLY = {
-    "relax_collectives_on_preemption": "ft-train does not offer it: every rank, leaving or "
-    "not, takes part in every report() and get_preemption_info() until the group stops, so "
-    "the leaving ranks save too; leave it out",
-    "controller_failure_limit": "ft-train has no retryable controller failures to count: a "
-    "(re)start that cannot find workers fails after scaling_config.worker_start_timeout_s, "
-    "and a group that fails three times in a row before all its ranks joined ends the run; "
-    "leave it out (rank and worker failures: failure_config.max_failures)",
-}
-
-
 class FailureConfig(_Config):
     """How many worker-group failures the run survives."""
 
@@ -179,17 +168,6 @@ class FailureConfig(_Config):
         if grace_s != 0:
             raise ValueError(_GRACE_IS_RAYS)
         return grace_s
-
-    @model_validator(mode="before")
-    @classmethod
-    def _ray_only(cls, data: Any) -> Any:
-        """Ray Train's FailureConfig settings that ft-train does not offer, refused by name
-        with what to use instead (rather than "no such setting")."""
-        if isinstance(data, dict):
-            for name, why in _RAY_ONLY.items():
-                if name in data:
-                    raise ValueError(f"failure_config.{name} is Ray Train's: {why}")
-        return data
 
     @property
     def collective_timeout_s(self) -> float:

@@ -10,13 +10,19 @@ Rank -> driver (a Dask event batch, and the rank's journal; `wire()` / `message(
 Worker group -> controller (one queue, `ft_train.driver.worker_group`):
 
     Reported, RankEnded, WorkerLost, PreemptNotice; and LeaseLost from the run's lease
+
+Driver -> rank: `RankSpec`, sent with the rank's Dask task (pickled, not a wire form of ours).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type only: the storage never imports the wire types, nor they it
+    from .storage.fs import Storage
 
 FileInfo = dict[str, Any]  # size, sha256 (storage.upload_dir)
 
@@ -243,3 +249,32 @@ def decode_flags(flags: list[float], world_size: int) -> Agreement:
         same_index=all(flags[w + i] == -flags[w + i + 1] for i in (5, 7, 9)),
         payload=int(flags[w + 11]),
     )
+
+
+@dataclass
+class RankSpec:
+    """Everything one rank needs, sent by the driver with the rank's Dask task."""
+
+    train_loop: str | Callable
+    config: dict[str, Any]
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    name: str
+    attempt: int
+    attempt_id: str
+    master_addr: str
+    master_port: int
+    backend: str
+    use_gpu: bool
+    storage: Storage
+    checkpoint_dir: str | None  # latest committed checkpoint, None on a fresh run
+    start_report_index: int
+    topic: str
+    collective_timeout_s: float  # FailureConfig.collective_timeout_s
+    agreement_interval_s: float  # FailureConfig.agreement_interval_s
+    snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
+    snapshot_holders: tuple[str, ...] = ()  # who hold this rank's snapshots (`snapshot_store`)
+    snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver

@@ -26,12 +26,13 @@ import pytest
 
 import ft_train
 from ft_train.knobs import AGREE_EVERY_MAX
+from ft_train.protocol import RankSpec
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
 from ft_train.storage.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
 from ft_train.storage.fs import Storage, file_digest
 from ft_train.worker import preemption
 from ft_train.worker.rank import _control_group, free_port
-from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.session import Session
 from ft_train.worker.uploads import Uploads
 from tests.helpers import load_state, wait_for
 

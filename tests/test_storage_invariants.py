@@ -28,6 +28,7 @@ from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.controller.rounds import ReportRounds
 from ft_train.driver import prepare
 from ft_train.errors import StorageError
+from ft_train.protocol import RankSpec
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
 from ft_train.storage.fs import Storage, local_files
@@ -39,7 +40,7 @@ from ft_train.storage.run_state import (
     RunState,
     RunStore,
 )
-from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.session import Session
 from tests.helpers import fresh
 
 ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings

@@ -6,10 +6,9 @@ import pytest
 import ft_train
 from ft_train.controller.rounds import ReportRounds
 from ft_train.driver.cluster import dask_client
-from ft_train.protocol import message
+from ft_train.protocol import RankSpec, message
 from ft_train.storage.fs import Storage
 from ft_train.worker.rank import free_port, run_rank
-from ft_train.worker.session import RankSpec
 
 
 def test_report_does_not_wait_for_the_driver(tmp_path):

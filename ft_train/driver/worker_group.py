@@ -33,12 +33,11 @@ from distributed.protocol import pickle
 
 from .. import knobs
 from ..controller.ports import GroupPlan
-from ..protocol import GroupEvent, PreemptNotice, RankEnded, Reported, WorkerLost, message
+from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
 from ..worker import journal, preemption
 from ..worker.journal import run_key
 from ..worker.preemption import PreemptionWatcher
 from ..worker.rank import run_rank
-from ..worker.session import RankSpec
 from ..worker.snapshot_store import SnapshotHolder, SnapshotWorkerHolder
 from ..worker.warm import WarmImports
 from . import snapshot_holders

@@ -30,12 +30,12 @@ from ..errors import (
     TrainLoopImportError,
 )
 from ..policy.attribution import lost_a_peer
-from ..protocol import Message, Report, Started
+from ..protocol import Message, RankSpec, Report, Started
 from . import session as _session
 from .devices import host_devices, pick_device, torchrun_environ
 from .journal import Journal, run_key
 from .preemption import GroupStop
-from .session import RankSpec, Session
+from .session import Session
 
 logger = logging.getLogger("ft_train")
 

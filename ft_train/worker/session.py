@@ -49,53 +49,30 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from .. import knobs, report_config
 from ..errors import SessionError, StorageError
-from ..protocol import Agreement, Message, Point, PreemptionInfo, Report, UploadIntent
+from ..protocol import (
+    Agreement,
+    Message,
+    Point,
+    PreemptionInfo,
+    RankSpec,
+    Report,
+    UploadIntent,
+)
 from ..ray_names import RefusesRayNames
 from ..report_config import CheckpointConsistencyMode, CheckpointUploadMode, UploadMode
 from ..storage import checkpoint_manager
 from ..storage.checkpoint import Checkpoint
-from ..storage.fs import Storage
 from . import preemption, reported_checkpoints
 from .checkpoint_labels import Labels
 from .journal import Journal
 from .reported_checkpoints import ReportedCheckpoint
 from .snapshots import RankSnapshots, Saver, Snapshot, StateFn, jit_saver
 from .uploads import Uploads
-
-
-@dataclass
-class RankSpec:
-    """Everything one rank needs, sent by the driver with the rank's Dask task."""
-
-    train_loop: str | Callable
-    config: dict[str, Any]
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    name: str
-    attempt: int
-    attempt_id: str
-    master_addr: str
-    master_port: int
-    backend: str
-    use_gpu: bool
-    storage: Storage
-    checkpoint_dir: str | None  # latest committed checkpoint, None on a fresh run
-    start_report_index: int
-    topic: str
-    collective_timeout_s: float  # FailureConfig.collective_timeout_s
-    agreement_interval_s: float  # FailureConfig.agreement_interval_s
-    extra: dict[str, Any] = field(default_factory=dict)
-    snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
-    snapshot_holders: tuple[str, ...] = ()  # who hold this rank's snapshots (`snapshot_store`)
-    snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
 
 
 class TrainContext(RefusesRayNames):

@@ -60,8 +60,8 @@ from .uploads import process_dir
 RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
 if TYPE_CHECKING:
+    from ..protocol import RankSpec
     from .flat_state import FlatStager
-    from .session import RankSpec
 
 logger = logging.getLogger("ft_train")
 

@@ -16,6 +16,7 @@ from ft_train import CheckpointConsistencyMode, CheckpointUploadMode
 from ft_train.config import CheckpointConfig
 from ft_train.controller.rounds import Round, label_conflict
 from ft_train.errors import CheckpointDamagedError, SessionError
+from ft_train.protocol import RankSpec
 from ft_train.report_config import checkpoint_label, delete_after_upload, upload_mode
 from ft_train.storage.checkpoint import MANIFEST, METADATA, Checkpoint
 from ft_train.storage.checkpoint_manager import (
@@ -26,7 +27,7 @@ from ft_train.storage.checkpoint_manager import (
 )
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
-from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.session import Session
 
 ATTEMPT_ID = "c0ffee" + "0" * 26
 

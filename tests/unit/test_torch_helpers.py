@@ -26,9 +26,10 @@ from torch.utils.data import (
 
 import ft_train.torch
 from ft_train.errors import ConfigError
+from ft_train.protocol import RankSpec
 from ft_train.storage.fs import Storage
 from ft_train.worker import session
-from ft_train.worker.session import RankSpec, Session
+from ft_train.worker.session import Session
 
 N = 20
 
