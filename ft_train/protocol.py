@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-FileInfo = dict[str, Any]  # size, sha256 (storage.upload_dir)
+FileInfo = dict[str, Any]  # size, sha256; "at": a side path (storage.fs.upload_dir)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
 from .ports import Cluster, GroupPlan
-from .rounds import ReportRounds, Round
+from .rounds import ReportRounds, Round, collision_warning
 from .snapshots import SnapshotRound, SnapshotTier
 from .state import (
     Attempt,
@@ -229,6 +229,8 @@ class Controller:
     def _commit(self, rnd: Round, how: str = "") -> None:
         assert rnd.dir_name is not None  # a round with a checkpoint
         self.last_metrics = rnd.metrics
+        if (shared := collision_warning(rnd)) is not None:  # DESIGN.md, storage invariant 3
+            self.warn(shared)
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
         )

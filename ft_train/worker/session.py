@@ -233,7 +233,7 @@ class Session:
                     self._uploads_started().submit(local, remote, msg)
                     self._returning()
                     return  # the message follows the upload (`_deliver`)
-                msg = replace(msg, files=s.storage.upload_dir(local, remote))
+                msg = replace(msg, files=s.storage.upload_dir(local, remote, rank=s.rank))
             self._journal(msg)
         self._returning()
         self.send(msg)
