@@ -378,6 +378,10 @@ class Storage:
                 except OSError as e:
                     if not isinstance(e, FileExistsError) and e.errno not in _NO_LINK:
                         raise
+                    if os.path.isdir(dst):  # not another rank's file: what rank 0 would hit
+                        raise IsADirectoryError(
+                            errno.EISDIR, "a directory is in the way", dst
+                        ) from e
                 # another rank's file is there (or this filesystem has no hard links): the
                 # driver moves these bytes into place if this rank's file wins
                 full_side = posixpath.join(base, side)
