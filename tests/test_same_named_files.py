@@ -14,11 +14,17 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
 import torch
 
 import ft_train
+from ft_train.config import CheckpointConfig
+from ft_train.controller.rounds import ReportRounds
+from ft_train.protocol import Report
 from ft_train.storage.checkpoint import Checkpoint
-from ft_train.storage.fs import DUPLICATES
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train.storage.fs import DUPLICATES, side_path
+from ft_train.storage.run_state import RunState, RunStore
 from tests.helpers import fault, fresh, load_state, run_config
 
 STEPS, KILLED_AT = 5, 3
@@ -115,3 +121,39 @@ def test_a_killed_rank_resumes_from_its_round_with_rank_0s_file(prefect_api, sto
         saved = torch.load(restored / "state.pt")
         assert (saved["step"], saved["rank"]) == (entry.report_index, 0), entry.dir_name
         assert DUPLICATES not in store.list_dir(path), entry.dir_name
+
+
+# -- the uploads on each storage, in a chosen order (no cluster) -----------------------------------
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (2, 1)], ids=["0-1-2", "2-1-0", "2-1"])
+def test_uploads_in_any_order_commit_the_lowest_ranks_bytes(storage, tmp_path, order):
+    """What the ranks' exclusive creates do on this storage (on S3, a PUT with If-None-Match),
+    driven one rank after the other: the lowest rank's bytes are committed and listed, also
+    where the highest rank's file is empty (s3fs writes an empty file unconditionally unless
+    asked otherwise), and nothing of the side paths is left."""
+    st, name = fresh(storage), "uploads"
+    dir_name = checkpoint_dir_name(1, 0, "0a" * 16)
+    sent = {}
+    for rank in order:
+        local = tmp_path / f"rank-{rank}"
+        local.mkdir()
+        (local / "state.pt").write_bytes(f"rank {rank} ".encode() * (rank + 1))
+        (local / "small").write_bytes(b"" if rank == max(order) else f"{rank}".encode())
+        sent[rank] = st.upload_dir(str(local), f"{name}/{dir_name}", rank=rank)
+    rounds = ReportRounds(world_size=3, last_index=0)
+    for rank in range(3):
+        rounds.add(Report(rank, 1, {}, dir_name if rank in sent else None, sent.get(rank, {})))
+    rnd = rounds.pop_complete()
+    manager = CheckpointManager(st, RunStore(st, name), CheckpointConfig())
+    manager.commit(RunState(name=name), rnd.dir_name, 1, {}, rnd.files, 0)
+
+    restored = tmp_path / "restored"
+    Checkpoint(st.uri(f"{name}/{dir_name}"), storage.options).download_verified(str(restored))
+    lowest = min(order)
+    assert (restored / "state.pt").read_bytes() == f"rank {lowest} ".encode() * (lowest + 1)
+    assert (restored / "small").read_bytes() == f"{lowest}".encode()
+    assert DUPLICATES not in st.list_dir(f"{name}/{dir_name}")
+    # the first rank to upload a name holds it; a later rank > 0 went to its side path
+    later = [r for r in order[1:] if r > 0]
+    assert all(sent[r]["state.pt"].get("at") == side_path(r, "state.pt") for r in later)
