@@ -423,27 +423,30 @@ class Storage:
         # A local target is a plain file; elsewhere fsspec's buffered writer (on S3, one PUT for a
         # small file, a multipart upload of 50 MiB parts for a large one). After an error the
         # part written so far may stay behind: harmless, as no manifest will ever list it.
-        out = (
-            open(dst, "wb", buffering=0)
-            if local
-            else self.fs.open(dst, "xb" if exclusive else "wb")
-        )
-        try:
-            with open(src, "rb", buffering=0) as f, out:
-                while n := f.readinto(buf):
-                    if should_stop is not None and should_stop():
-                        raise UploadStopped(f"upload of {src} stopped")
-                    digest.update(view[:n])
-                    if local:
-                        in_kernel = _copy_chunk(f.fileno(), out.fileno(), size, view[:n], in_kernel)
-                    else:
-                        out.write(view[:n])
-                    size += n
-        except FileExistsError:
-            discard = getattr(out, "discard", None)
-            if discard is not None:  # a refused multipart upload: its parts would be billed
-                discard()
-            raise
+        with open(src, "rb", buffering=0) as f:
+            out = (
+                open(dst, "wb", buffering=0)
+                if local
+                else self.fs.open(dst, "xb" if exclusive else "wb")
+            )
+            try:
+                with out:
+                    while n := f.readinto(buf):
+                        if should_stop is not None and should_stop():
+                            raise UploadStopped(f"upload of {src} stopped")
+                        digest.update(view[:n])
+                        if local:
+                            in_kernel = _copy_chunk(
+                                f.fileno(), out.fileno(), size, view[:n], in_kernel
+                            )
+                        else:
+                            out.write(view[:n])
+                        size += n
+            except FileExistsError:  # refused at its completion (exclusive): nothing was stored
+                discard = getattr(out, "discard", None)
+                if discard is not None:  # a multipart upload's parts would stay, and be billed
+                    discard()
+                raise
         return {"size": size, "sha256": digest.hexdigest()}
 
     def move_file(self, src: str, dst: str) -> None:
