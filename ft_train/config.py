@@ -110,6 +110,8 @@ _GRACE_IS_RAYS = (
     "checkpoint, which ft-train named preemption_grace_s before, is now "
     "failure_config.preemption_notice_s"
 )
+
+
 class FailureConfig(_Config):
     """How many worker-group failures the run survives."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # a type only: the storage never imports the wire types, nor they it
     from .storage.fs import Storage
 
-FileInfo = dict[str, Any]  # size, sha256 (storage.upload_dir)
+FileInfo = dict[str, Any]  # size, sha256; "at": a side path (storage.fs.upload_dir)
 
 
 @dataclass(frozen=True)

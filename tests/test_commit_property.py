@@ -2,7 +2,8 @@
 
 Hypothesis draws a run: a `CheckpointConfig` (num_to_keep, a score attribute and order) and a
 sequence of operations, each a checkpoint save (one or more ranks, a few files of random sizes,
-a random score) or a driver restart (the driver ends cleanly or is killed). The sequence runs
+a random score; the ranks' file names distinct or shared, uploaded from rank 0 up or from the
+highest rank down) or a driver restart (the driver ends cleanly or is killed). The sequence runs
 through the real code: `prepare.prepare_run` (lease, run state, orphan sweep), ranks' `Session.
 report` (uploads), `ReportRounds` and `CheckpointManager.commit` (manifest, run state, sealing,
 retention). If it makes W storage writes, it runs W more times on fresh storage, stopping dead
@@ -13,7 +14,8 @@ storage, and the test asserts:
 - the run state parses (the new driver starts at all);
 - its latest checkpoint is the last one committed, or the one whose commit the crash cut short;
 - that checkpoint and every other one the state references (sealed index included) is
-  restorable: its manifest is there and every file in it verifies, with the bytes saved;
+  restorable: its manifest is there and every file in it verifies, with the bytes saved (of a
+  name that several ranks saved, the lowest rank's), and no side path (`.ft-dup`) is left in it;
 - no checkpoint directory is left unreferenced after the new driver's start (its orphan sweep),
   except one older than the head that only the sealed index can tell from a sealed one.
 
@@ -42,7 +44,7 @@ from ft_train.storage.checkpoint_manager import (
     CheckpointManager,
     checkpoint_dir_name,
 )
-from ft_train.storage.fs import Storage, local_files
+from ft_train.storage.fs import DUPLICATES, Storage, local_files
 from ft_train.storage.run_state import RunStore
 from ft_train.worker.session import Session
 from tests.test_storage_invariants import commit_round, rank_spec, write_tree
@@ -55,7 +57,15 @@ INDEX_CHUNK = 2  # so that runs with num_to_keep=None seal index chunks within a
 # Every method of Storage, by whether it changes what is stored. A method added to Storage fails
 # `test_every_storage_method_is_classified` until it is put in one of these; a mutating one must
 # also be counted by CrashingStorage.
-MUTATING = {"write_atomic", "write_if", "upload_dir", "_put_file", "delete_dir"}
+MUTATING = {
+    "write_atomic",
+    "write_if",
+    "upload_dir",
+    "_create_file",
+    "_put_file",
+    "move_file",
+    "delete_dir",
+}
 READ_ONLY = {
     "__init__",
     "__getstate__",
@@ -125,11 +135,17 @@ class CrashingStorage(Storage):
     def write_if(self, path, data, tag):
         return self._do(f"write_if {path}", super().write_if, path, data, tag)
 
-    def upload_dir(self, local_dir, path, should_stop=None):
-        return self._do(f"upload {path}", super().upload_dir, local_dir, path, should_stop)
+    def upload_dir(self, local_dir, path, should_stop=None, rank=0):
+        return self._do(f"upload {path}", super().upload_dir, local_dir, path, should_stop, rank)
 
-    def _put_file(self, src, dst, should_stop):
-        return self._do(f"put {dst}", super()._put_file, src, dst, should_stop)
+    def _create_file(self, src, base, rel, side, should_stop):
+        return self._do(f"create {rel}", super()._create_file, src, base, rel, side, should_stop)
+
+    def _put_file(self, src, dst, should_stop, exclusive=False):
+        return self._do(f"put {dst}", super()._put_file, src, dst, should_stop, exclusive)
+
+    def move_file(self, src, dst):
+        return self._do(f"move {src}", super().move_file, src, dst)
 
     def delete_dir(self, path):
         return self._do(f"delete {path}", super().delete_dir, path)
@@ -155,6 +171,8 @@ def test_every_storage_method_is_classified():
 class Save:
     ranks: tuple[tuple[tuple[str, int, int], ...] | None, ...]  # per rank: (name, size, seed)
     score: int | float | None
+    shared: bool = False  # the ranks' files share names (the lowest rank's is kept)
+    reverse: bool = False  # the ranks upload from the highest down (rank 0's file comes last)
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,8 @@ saves = st.builds(
     .filter(lambda ranks: any(r is not None for r in ranks))
     .map(tuple),
     score=st.one_of(st.integers(-3, 3), st.none(), st.just(float("nan"))),
+    shared=st.booleans(),
+    reverse=st.booleans(),
 )
 # Saves, each maybe followed by a restart (so that most examples save more than once).
 operations = st.lists(
@@ -193,9 +213,10 @@ configs = st.builds(
 )
 
 
-def content(rank: int, spec: tuple[str, int, int]) -> tuple[str, bytes]:
+def content(rank: int, spec: tuple[str, int, int], shared: bool) -> tuple[str, bytes]:
     name, size, seed = spec
-    return f"r{rank}-{name}", random.Random(seed).randbytes(size)  # names unique across ranks
+    data = random.Random(seed * 8 + rank).randbytes(size)  # each rank's bytes its own
+    return (name if shared else f"r{rank}-{name}"), data
 
 
 @dataclass
@@ -243,7 +264,11 @@ class Driver:
         w.in_flight = dir_name
         metrics = {"step": index} if op.score is None else {"step": index, "score": op.score}
         msgs: list[dict] = []
-        for rank, specs in enumerate(op.ranks):
+        for rank, specs in enumerate(op.ranks):  # the lowest rank's file of each name is kept
+            for rel, data in (content(rank, s, op.shared) for s in specs or ()):
+                w.saved[dir_name].setdefault(rel, data)
+        order = list(enumerate(op.ranks))
+        for rank, specs in reversed(order) if op.reverse else order:
             spec = rank_spec(
                 self.storage, w.name, rank, len(op.ranks), self.attempt, self.attempt_id, index - 1
             )
@@ -251,8 +276,7 @@ class Driver:
             if specs is None:  # this rank attaches no checkpoint to the round
                 session.report(metrics)
                 continue
-            files = dict(content(rank, s) for s in specs)
-            w.saved[dir_name].update(files)
+            files = dict(content(rank, s, op.shared) for s in specs)
             local = write_tree(f"{self.work}/r{rank}-{uuid.uuid4().hex[:6]}", files)
             session.report(metrics, checkpoint=Checkpoint.from_directory(local))
             shutil.rmtree(local)
@@ -315,6 +339,7 @@ def check_next_driver(world: World, work: str) -> None:
                     got[rel] = f.read()
             got.pop(".ft_manifest.json")
             assert got == world.saved[dir_name], f"{dir_name} ({where})"
+            assert DUPLICATES not in storage.list_dir(f"{world.name}/{dir_name}"), where
         oldest = min((e.report_index for e in state.checkpoints), default=0)
         for n in storage.list_dir(world.name):  # what the start's orphan sweep left
             if (m := CHECKPOINT_DIR.match(n)) and n not in referenced:

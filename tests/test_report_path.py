@@ -86,10 +86,10 @@ class GatedStorage(Storage):
         super().__init__(url, options)
         self.gate, self.started = threading.Event(), []
 
-    def upload_dir(self, local_dir, path, should_stop=None):
+    def upload_dir(self, local_dir, path, should_stop=None, rank=0):
         self.started.append(path)
         assert self.gate.wait(60), "the test never opened the gate"
-        return super().upload_dir(local_dir, path, should_stop)
+        return super().upload_dir(local_dir, path, should_stop, rank)
 
 
 def staged_dirs(root: str) -> list[str]:

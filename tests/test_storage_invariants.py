@@ -79,16 +79,16 @@ class FaultyStorage(Storage):
         super().write_atomic(path, data)
         self.log.append(("write", path))
 
-    def upload_dir(self, local_dir: str, path: str):
+    def upload_dir(self, local_dir: str, path: str, should_stop=None, rank: int = 0):
         if self._crashes_now():
             if self.torn:
                 rels = local_files(local_dir)
                 with tempfile.TemporaryDirectory() as part:
                     for rel in rels[: max(1, len(rels) // 2)]:
                         shutil.copy(os.path.join(local_dir, rel), os.path.join(part, rel))
-                    super().upload_dir(part, path)
+                    super().upload_dir(part, path, should_stop, rank)
             raise Crash(f"upload {path}")
-        infos = super().upload_dir(local_dir, path)
+        infos = super().upload_dir(local_dir, path, should_stop, rank)
         self.log.append(("upload", path))
         return infos
 
@@ -543,9 +543,9 @@ class CountingStorage(Storage):
         self.calls["write_atomic"] += 1
         return super().write_atomic(path, data)
 
-    def upload_dir(self, local_dir, path):
+    def upload_dir(self, local_dir, path, should_stop=None, rank=0):
         self.calls["upload_dir"] += 1
-        return super().upload_dir(local_dir, path)
+        return super().upload_dir(local_dir, path, should_stop, rank)
 
     def download_files(self, path, rels, local_dir):
         self.calls["download_files"] += 1

@@ -38,7 +38,7 @@ from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
 from .ports import Cluster, GroupPlan
-from .rounds import ReportRounds, Round, label_conflict
+from .rounds import ReportRounds, Round, collision_warning, label_conflict
 from .snapshots import SnapshotRound, SnapshotTier
 from .state import (
     Attempt,
@@ -244,6 +244,8 @@ class Controller:
             self.log(f"round {rnd.index} not committed: {conflict}")
             return
         self.last_metrics = rnd.metrics
+        if (shared := collision_warning(rnd)) is not None:  # DESIGN.md, storage invariant 3
+            self.warn(shared)
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
         )

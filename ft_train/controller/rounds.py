@@ -3,6 +3,12 @@
 A round is complete when every rank's k-th report has arrived; it carries rank 0's metrics and
 the files of every rank that attached a checkpoint. Rounds complete in index order. Once a group
 has stopped, `recover` finds the newest checkpoint round every rank reached from their journals.
+
+Files of the same name from several ranks (DESIGN.md, storage invariant 3): the lowest rank's
+file is the round's, whichever rank's upload finished first. Its entry in `Round.files` keeps
+the rank's `"at"` (its bytes are at a side path: `ft_train.storage.fs`) and gains `"ranks"`, the
+ranks that attached the name; the commit (`CheckpointManager.commit`) moves the bytes into place
+and lists only size and sha256. `collision_warning` says what was discarded.
 """
 
 from __future__ import annotations
@@ -81,16 +87,25 @@ class ReportRounds:
 
 def _consolidate(index: int, msgs: dict[int, Report]) -> Round:
     """One round from its ranks' messages: rank 0's metrics (the lowest rank's, when a
-    recovered round lacks rank 0's), every rank's files."""
+    recovered round lacks rank 0's), every rank's files; of a name that several ranks attached,
+    the lowest rank's file, with `"ranks"` added."""
     first = msgs[min(msgs)]
     rnd = Round(index, first.metrics, preempted=first.preempted, deadline=first.deadline)
-    for rank in sorted(msgs):
+    holders: dict[str, list[int]] = {}
+    for rank in sorted(msgs):  # lowest first: the first rank to attach a name keeps it
         m = msgs[rank]
         if m.dir_name or m.label is not None:
             rnd.labels[rank] = m.label
         if m.dir_name:
             rnd.dir_name = m.dir_name
-            rnd.files.update(m.files)
+            for rel, info in m.files.items():
+                ranks = holders.setdefault(rel, [])
+                ranks.append(rank)
+                if len(ranks) == 1:
+                    rnd.files[rel] = info
+    for rel, ranks in holders.items():
+        if len(ranks) > 1:
+            rnd.files[rel] = {**rnd.files[rel], "ranks": ranks}
     return rnd
 
 
@@ -106,4 +121,19 @@ def label_conflict(rnd: Round) -> str | None:
         f"report() {rnd.index}: the ranks passed different checkpoint_dir_name values ({given}); "
         "every rank that attaches a checkpoint or passes a checkpoint_dir_name in a round must "
         "pass the same name (e.g. computed from the epoch or step, the same on every rank)"
+    )
+
+
+def collision_warning(rnd: Round) -> str | None:
+    """What a user is told when ranks attached files of the same name in `rnd`, or None."""
+    shared = {rel: info["ranks"] for rel, info in rnd.files.items() if "ranks" in info}
+    if not shared:
+        return None
+    which = "; ".join(
+        f"{rel!r} by ranks {', '.join(map(str, ranks))}" for rel, ranks in sorted(shared.items())
+    )
+    return (
+        f"checkpoint {rnd.dir_name} (step {rnd.index}): several ranks attached a file of the same "
+        f"name: {which}. The lowest rank's file is kept and the others' discarded; to keep every "
+        "rank's, give each its own name (e.g. f'state-{rank}.pt'), or attach it from one rank only"
     )

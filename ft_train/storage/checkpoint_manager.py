@@ -4,7 +4,11 @@ A report round with a checkpoint is committed in this order; each step is a cras
 which the previous committed checkpoint is still the one a restore finds:
 
   1. every rank has uploaded its files into `{name}/{dir_name}/` (before it sent its report);
-     `dir_name` carries the attempt, so a directory never mixes files from two attempts;
+     `dir_name` carries the attempt, so a directory never mixes files from two attempts. Where
+     several ranks attached a file of the same name, the lowest rank's is the checkpoint's
+     (`controller.rounds`); its bytes are in place, or at the side path a rank wrote them to
+     when another rank had created the name first (`storage.fs`): they are moved into place
+     now, and the side paths deleted (`_into_place`);
   2. the manifest (files, sizes, sha256) is written last inside the directory: a single PUT;
   3. the run state now references the checkpoint (and no longer references any that
      retention drops): one atomic write. This is the commit point. When the head overflows
@@ -22,7 +26,7 @@ from typing import Any
 
 from ..config import CheckpointConfig
 from .checkpoint import MANIFEST
-from .fs import FileInfo, Storage
+from .fs import DUPLICATES, FileInfo, Storage
 from .run_state import INDEX_CHUNK, CheckpointEntry, RunState, RunStore, now
 
 # A checkpoint directory's name: group 1 is the report index, group 2 the label, if one was
@@ -92,6 +96,7 @@ class CheckpointManager:
     ) -> list[str]:
         """Commit one checkpoint (steps 2-4 above); return the names it deleted."""
         run = self.store.name
+        files = self._into_place(f"{run}/{dir_name}", files)
         manifest = {
             "dir_name": dir_name,
             "report_index": report_index,
@@ -120,6 +125,26 @@ class CheckpointManager:
         for name in dropped:
             self.storage.delete_dir(f"{run}/{name}")
         return dropped
+
+    def _into_place(self, path: str, files: dict[str, FileInfo]) -> dict[str, FileInfo]:
+        """Step 1's end: the winning bytes of every name in place; the manifest's entries.
+
+        `files` is the round's (`controller.rounds.Round.files`): an entry with `"at"` has its
+        bytes at that side path, one with `"ranks"` was attached by several ranks (some of
+        whose bytes may be at side paths). Nothing to do, and no storage call, where neither
+        is there: the common case.
+
+        Crash ordering: each move comes before the side paths' delete, and both before the
+        manifest. A crash in between leaves a directory without a manifest, which no restore
+        reads and the orphan sweep removes whole (side paths included); the previous committed
+        checkpoint stays the latest."""
+        moved = [rel for rel, info in files.items() if "at" in info]
+        if not moved and not any("ranks" in info for info in files.values()):
+            return files
+        for rel in moved:
+            self.storage.move_file(f"{path}/{files[rel]['at']}", f"{path}/{rel}")
+        self.storage.delete_dir(f"{path}/{DUPLICATES}")
+        return {rel: {"size": i["size"], "sha256": i["sha256"]} for rel, i in files.items()}
 
     def _seal(self, state: RunState) -> None:
         """While the head holds more than `index_chunk` entries, move its oldest `index_chunk`

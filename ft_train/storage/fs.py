@@ -12,6 +12,26 @@ Compare-and-swap: `read_versioned` and `write_if`, for the driver's lease (`leas
 conditional PUT (If-None-Match / If-Match on the ETag); on a local disk the compare and the
 rename under an flock held for that write only. Other fsspec stores get the same compare without
 the atomicity: two writers within milliseconds of each other may both succeed there.
+
+Files of the same name from several ranks (DESIGN.md, storage invariant 3): the ranks of a round
+upload into one directory at once, and none knows the others' file names (report() never waits
+for the other ranks). So that the bytes under a name are always those of one known rank,
+`upload_dir(rank=r)` writes a name only where no other rank can be overwritten by mistake:
+
+- rank 0 writes `{dir}/f` unconditionally: it is the lowest rank, whose file wins anyway;
+- a rank r > 0 creates `{dir}/f` only if it does not exist yet (an exclusive create: locally a
+  temporary file hard-linked to the final name, which fails if it exists; on S3 a PUT, or the
+  completion of a multipart upload, with `If-None-Match: *`). Where it exists, the rank's bytes
+  go to its side path `{dir}/.ft-dup/rank-{r}/f` instead (`side_path`), and its `FileInfo` says
+  so (`"at"`: the side path, relative to `{dir}`).
+
+The driver then keeps the lowest rank's file of each name and, where those bytes are at a side
+path, moves them into place before it writes the manifest (`checkpoint_manager`). A name that one
+rank alone attaches (rank 0's `state.pt`, sharded `__{rank}_0.distcp` files) costs nothing more:
+one link locally, a condition on the same PUT on S3. On S3 a collision costs the losing rank a
+second upload of that file (the refused one cannot be completed under another key). Other fsspec
+stores check that the name is free first, without the atomicity: two ranks within milliseconds
+of each other may both write it there, as for `write_if`.
 """
 
 from __future__ import annotations
@@ -31,7 +51,12 @@ from fsspec.implementations.local import LocalFileSystem
 from .. import knobs
 from .credentials import reveal
 
-FileInfo = dict[str, Any]  # {"size": int, "sha256": str}
+FileInfo = dict[str, Any]  # {"size": int, "sha256": str}, and "at": a side path (see above)
+
+DUPLICATES = ".ft-dup"  # under a checkpoint's directory: the side paths of same-named files
+
+# A failed link means "no hard links here" for these (a filesystem without them): side path
+_NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
 
 _CHUNK = 8 * 2**20  # bytes read, hashed and written at a time by an upload
 
@@ -79,6 +104,13 @@ def _replace_local(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # renamed away (a side path), or never written
 
 
 def _content_tag(data: bytes) -> str:
@@ -135,6 +167,12 @@ def file_digest(path: str) -> FileInfo:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     return {"size": os.path.getsize(path), "sha256": digest}
+
+
+def side_path(rank: int, rel: str) -> str:
+    """Where rank `rank` puts its file `rel` when another rank created `rel` first (relative to
+    the checkpoint's directory)."""
+    return f"{DUPLICATES}/rank-{rank}/{rel}"
 
 
 def local_files(root: str) -> list[str]:
@@ -294,26 +332,89 @@ class Storage:
         return "s3" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
 
     def upload_dir(
-        self, local_dir: str, path: str, should_stop: Callable[[], bool] | None = None
+        self,
+        local_dir: str,
+        path: str,
+        should_stop: Callable[[], bool] | None = None,
+        rank: int = 0,
     ) -> dict[str, FileInfo]:
         """Copy every file of `local_dir` under `path`; return their sizes and checksums.
 
         Each file is read once: its sha256 is computed from the chunks as they are written.
-        `should_stop` is asked between chunks; when it says so, `UploadStopped` is raised and the
-        files written so far stay behind (an uncommitted directory: the driver's
-        `collect_orphans` removes it)."""
+        `rank` is the uploading rank: rank 0 writes every file in place; a higher rank creates a
+        file in place only where no other rank has, else writes it to its side path and says so
+        in the file's `"at"` (see the module's docstring). `should_stop` is asked between
+        chunks; when it says so, `UploadStopped` is raised and the files written so far stay
+        behind (an uncommitted directory: the driver's `collect_orphans` removes it)."""
         rels = local_files(local_dir)
         infos = {}
+        base = self.full(path)
         if self.is_local:
-            for d in {posixpath.dirname(posixpath.join(self.full(path), r)) for r in rels}:
+            for d in {posixpath.dirname(posixpath.join(base, r)) for r in rels}:
                 os.makedirs(d, exist_ok=True)
         for rel in rels:
-            remote = posixpath.join(self.full(path), rel)
-            infos[rel] = self._put_file(os.path.join(local_dir, rel), remote, should_stop)
+            src = os.path.join(local_dir, rel)
+            if rank == 0:
+                infos[rel] = self._put_file(src, posixpath.join(base, rel), should_stop)
+            else:
+                infos[rel] = self._create_file(src, base, rel, side_path(rank, rel), should_stop)
         return infos
 
-    def _put_file(self, src: str, dst: str, should_stop: Callable[[], bool] | None) -> FileInfo:
-        """Copy one file, hashing each chunk as it passes: the file is read once."""
+    def _create_file(
+        self, src: str, base: str, rel: str, side: str, should_stop: Callable[[], bool] | None
+    ) -> FileInfo:
+        """Upload `src` to `{base}/{rel}` only if no file is there yet; else to `{base}/{side}`,
+        and then the returned info says so (`"at": side`)."""
+        dst = posixpath.join(base, rel)
+        if self.is_local:
+            # The whole file under a temporary name, then linked to its own: the link fails if
+            # the name exists, and never shows a half-written file under it.
+            tmp = f"{dst}.ft-tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                info = self._put_file(src, tmp, should_stop)
+                try:
+                    os.link(tmp, dst)
+                    return info
+                except OSError as e:
+                    if not isinstance(e, FileExistsError) and e.errno not in _NO_LINK:
+                        raise
+                    if os.path.isdir(dst):  # not another rank's file: what rank 0 would hit
+                        raise IsADirectoryError(
+                            errno.EISDIR, "a directory is in the way", dst
+                        ) from e
+                # another rank's file is there (or this filesystem has no hard links): the
+                # driver moves these bytes into place if this rank's file wins
+                full_side = posixpath.join(base, side)
+                os.makedirs(posixpath.dirname(full_side), exist_ok=True)
+                os.replace(tmp, full_side)
+                return {**info, "at": side}
+            finally:
+                _unlink_quiet(tmp)
+        if self._is_s3:
+            try:
+                return self._put_file(src, dst, should_stop, exclusive=True)
+            except OSError as e:
+                # Refused: the name exists, or another conditional write of it was under way
+                # (409). Either way the side path is safe: the driver moves the winner's bytes.
+                if not _precondition_failed(e):
+                    raise
+        elif not self.fs.exists(dst):  # not atomic: see the module's docstring
+            return self._put_file(src, dst, should_stop)
+        return {**self._put_file(src, posixpath.join(base, side), should_stop), "at": side}
+
+    def _put_file(
+        self,
+        src: str,
+        dst: str,
+        should_stop: Callable[[], bool] | None,
+        exclusive: bool = False,
+    ) -> FileInfo:
+        """Copy one file, hashing each chunk as it passes: the file is read once. `exclusive`
+        (S3 only): only if `dst` does not exist yet, else `FileExistsError` (a PUT, or the
+        completion of a multipart upload, with If-None-Match)."""
+        if exclusive and os.path.getsize(src) == 0:  # s3fs writes an empty file unconditionally
+            self.fs.pipe_file(dst, b"", mode="create")
+            return {"size": 0, "sha256": hashlib.sha256().hexdigest()}
         digest, size = hashlib.sha256(), 0
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
@@ -322,20 +423,40 @@ class Storage:
         # A local target is a plain file; elsewhere fsspec's buffered writer (on S3, one PUT for a
         # small file, a multipart upload of 50 MiB parts for a large one). After an error the
         # part written so far may stay behind: harmless, as no manifest will ever list it.
-        with (
-            open(src, "rb", buffering=0) as f,
-            open(dst, "wb", buffering=0) if local else self.fs.open(dst, "wb") as out,
-        ):
-            while n := f.readinto(buf):
-                if should_stop is not None and should_stop():
-                    raise UploadStopped(f"upload of {src} stopped")
-                digest.update(view[:n])
-                if local:
-                    in_kernel = _copy_chunk(f.fileno(), out.fileno(), size, view[:n], in_kernel)
-                else:
-                    out.write(view[:n])
-                size += n
+        with open(src, "rb", buffering=0) as f:
+            out = (
+                open(dst, "wb", buffering=0)
+                if local
+                else self.fs.open(dst, "xb" if exclusive else "wb")
+            )
+            try:
+                with out:
+                    while n := f.readinto(buf):
+                        if should_stop is not None and should_stop():
+                            raise UploadStopped(f"upload of {src} stopped")
+                        digest.update(view[:n])
+                        if local:
+                            in_kernel = _copy_chunk(
+                                f.fileno(), out.fileno(), size, view[:n], in_kernel
+                            )
+                        else:
+                            out.write(view[:n])
+                        size += n
+            except FileExistsError:  # refused at its completion (exclusive): nothing was stored
+                discard = getattr(out, "discard", None)
+                if discard is not None:  # a multipart upload's parts would stay, and be billed
+                    discard()
+                raise
         return {"size": size, "sha256": digest.hexdigest()}
+
+    def move_file(self, src: str, dst: str) -> None:
+        """Move the file `src` to `dst`, replacing what is there: at a commit, the winning rank's
+        bytes from their side path into place. Locally a rename; on S3 a copy inside the store
+        (no bytes through this process) and a delete."""
+        if self.is_local:
+            os.replace(self.full(src), self.full(dst))
+        else:
+            self.fs.mv(self.full(src), self.full(dst))
 
     def download_files(self, path: str, rels: list[str], local_dir: str) -> None:
         for d in {os.path.dirname(os.path.join(local_dir, r)) for r in rels}:

@@ -236,7 +236,7 @@ class Session:
                     # the snapshot (hard links) holds the files from here on
                     self._uploads_started().submit(local, remote, msg)
                 else:
-                    msg = replace(msg, files=s.storage.upload_dir(local, remote))
+                    msg = replace(msg, files=s.storage.upload_dir(local, remote, rank=s.rank))
             if delete:  # Ray's delete_local_checkpoint_after_upload
                 shutil.rmtree(local)
             if mode == "async":

@@ -155,7 +155,9 @@ class Uploads:
         self._cleanup()  # close() may have stopped waiting for this thread
 
     def _upload(self, job: _Job) -> None:
-        files = self.storage.upload_dir(job.staged, job.remote, should_stop=self._stop.is_set)
+        files = self.storage.upload_dir(
+            job.staged, job.remote, should_stop=self._stop.is_set, rank=job.msg.rank
+        )
         for rel, (size, mtime_ns) in job.linked.items():
             st = os.stat(os.path.join(job.staged, rel))
             if (st.st_size, st.st_mtime_ns) != (size, mtime_ns) or files[rel]["size"] != size:
