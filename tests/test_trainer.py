@@ -94,7 +94,8 @@ def test_a_failed_fit_raises_the_runs_error_and_a_rerun_as_the_automation_makes_
     storage, tmp_path
 ):
     """Two ranks, no retries, rank 1 raises after the checkpoint at step 4: fit() raises the
-    run's TrainingFailedError, not a Prefect error. The run was given no name: a new flow run
+    run's WorkerGroupError (a TrainingFailedError with `worker_failures`, as Ray's), not a
+    Prefect error. The run was given no name: a new flow run
     with the failed one's parameters and its name as run_config.name (what the recovery
     automation passes to the rerun of a crashed one) resumes it from that checkpoint."""
     trainer = TorchTrainer(
@@ -103,10 +104,13 @@ def test_a_failed_fit_raises_the_runs_error_and_a_rerun_as_the_automation_makes_
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(storage_path=storage.path),
     )
-    with pytest.raises(ft_train.TrainingFailedError) as err:
+    with pytest.raises(ft_train.WorkerGroupError) as err:  # Ray's: the budget spent on ranks
         trainer.fit()
+    assert isinstance(err.value, ft_train.TrainingFailedError)
     assert type(err.value).__module__ == "ft_train.errors", type(err.value)
     assert "max_failures=0" in str(err.value)
+    ((rank, rebuilt),) = err.value.worker_failures.items()  # the failing rank's, rebuilt
+    assert rank == 1 and rebuilt.type_name == "InjectedFault" and "Traceback" in rebuilt.traceback
     (name,) = os.listdir(storage.path)
     assert GENERATED.fullmatch(name), name
     (failed,) = flow_runs_named(name)
