@@ -68,38 +68,12 @@ def test_the_flags_tell_whether_every_rank_is_at_the_same_point():
 
 
 def test_the_collectives_on_a_session_without_a_group_return_at_once(tmp_path):
-    from ft_train.protocol import RankSpec
     from ft_train.storage.fs import Storage
-    from ft_train.worker import session as session_module
-    from ft_train.worker.session import Session
+    from tests.rank_specs import installed, rank_spec
 
-    spec = RankSpec(
-        train_loop="unused:fn",
-        config={},
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        node_rank=0,
-        name="run",
-        attempt=0,
-        attempt_id="a" * 32,
-        master_addr="127.0.0.1",
-        master_port=0,
-        backend="gloo",
-        use_gpu=False,
-        storage=Storage(str(tmp_path)),
-        checkpoint_dir=None,
-        start_report_index=0,
-        topic="unused",
-        collective_timeout_s=60.0,
-        agreement_interval_s=0.0,
-    )
-    session_module.install(Session(spec, lambda msg: None))
-    try:
+    spec = rank_spec(Storage(str(tmp_path)), attempt_id="a" * 32)
+    with installed(spec):
         ft_train.collective.barrier()
         data = {"lr": 0.1}
         assert ft_train.collective.broadcast_from_rank_zero(data) is data
         assert ft_train.get_preemption_info() is None
-    finally:
-        session_module.install(None)

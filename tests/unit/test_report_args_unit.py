@@ -28,33 +28,13 @@ from ft_train.storage.checkpoint_manager import (
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
 from ft_train.worker.session import Session
+from tests.rank_specs import rank_spec
 
 ATTEMPT_ID = "c0ffee" + "0" * 26
 
 
 def spec(storage: Storage, attempt: int = 0, attempt_id: str = ATTEMPT_ID) -> RankSpec:
-    return RankSpec(
-        train_loop="unused:fn",
-        config={},
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        node_rank=0,
-        name="run",
-        attempt=attempt,
-        attempt_id=attempt_id,
-        master_addr="127.0.0.1",
-        master_port=0,
-        backend="gloo",
-        use_gpu=False,
-        storage=storage,
-        checkpoint_dir=None,
-        start_report_index=0,
-        topic="unused",
-        collective_timeout_s=1800.0,
-        agreement_interval_s=0.0,
-    )
+    return rank_spec(storage, attempt=attempt, attempt_id=attempt_id, collective_timeout_s=1800.0)
 
 
 def local_checkpoint(root, name: str, files: dict[str, bytes] | None = None) -> str:

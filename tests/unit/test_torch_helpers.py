@@ -26,10 +26,8 @@ from torch.utils.data import (
 
 import ft_train.torch
 from ft_train.errors import ConfigError
-from ft_train.protocol import RankSpec
 from ft_train.storage.fs import Storage
-from ft_train.worker import session
-from ft_train.worker.session import Session
+from tests.rank_specs import installed, rank_spec
 
 N = 20
 
@@ -37,33 +35,8 @@ N = 20
 @contextlib.contextmanager
 def as_rank(rank: int, world: int, tmp_path):
     """Code inside runs as rank `rank` of `world`, as inside a training function."""
-    spec = RankSpec(
-        train_loop="unused:fn",
-        config={},
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
-        local_world_size=world,
-        node_rank=0,
-        name="run",
-        attempt=0,
-        attempt_id="0" * 32,
-        master_addr="127.0.0.1",
-        master_port=0,
-        backend="gloo",
-        use_gpu=False,
-        storage=Storage(str(tmp_path)),
-        checkpoint_dir=None,
-        start_report_index=0,
-        topic="unused",
-        collective_timeout_s=60.0,
-        agreement_interval_s=0.0,
-    )
-    session.install(Session(spec, send=lambda message: None))
-    try:
+    with installed(rank_spec(Storage(str(tmp_path)), rank, world)):
         yield
-    finally:
-        session.install(None)
 
 
 def dataset(n: int = N) -> TensorDataset:
