@@ -107,3 +107,21 @@ def storage(request, tmp_path) -> StorageTarget:
 def on_storage(kind: str) -> pytest.MarkDecorator:
     """Run a test on one of the `storage` fixture's targets ("local" or "s3") only."""
     return pytest.mark.parametrize("storage", [kind], indirect=True)
+
+
+# The quick lane's time in every full run's summary (`tests/unit`: under a minute is its budget).
+_quick_lane = {"tests": 0, "seconds": 0.0}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.nodeid.startswith("tests/unit/"):
+        _quick_lane["seconds"] += report.duration  # setup, call and teardown
+        _quick_lane["tests"] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _quick_lane["tests"]:
+        terminalreporter.write_line(
+            f"quick lane (tests/unit): {_quick_lane['tests']} tests, "
+            f"{_quick_lane['seconds']:.1f} s of test time"
+        )
