@@ -119,6 +119,13 @@ def prepare_model(
       shard).
     - None: no wrapping.
     """
+    if not isinstance(move_to_device, (bool, torch.device)):
+        # e.g. prepare_model(model, "ddp"): the second argument is Ray's move_to_device, as here
+        raise ConfigError(
+            f"prepare_model(move_to_device={move_to_device!r}): give True, False or a "
+            "torch.device; the second argument is move_to_device (Ray's order): pass the "
+            "strategy by keyword, parallel_strategy='ddp'"
+        )
     if parallel_strategy not in PARALLEL_STRATEGIES:
         raise ConfigError(
             f"prepare_model(parallel_strategy={parallel_strategy!r}): give 'ddp', 'fsdp' "

@@ -296,16 +296,18 @@ def test_polled_preemption_notice_saves_a_just_in_time_checkpoint(
     cluster = ft_train.ClusterConfig(cluster=live_cluster)
     result = fit(ray_patterns.preemption_jit, storage, "preempted", config, 0, cluster=cluster)
     assert result.status == "finished"
-    saved = {d: m for d, m in by_dir(result).items() if m["jit"]}
+    kept = by_dir(result)
+    saved = {d: m for d, m in kept.items() if m["jit"]}
     assert saved, "no just-in-time checkpoint: the loop never saw get_preemption_info() set"
     assert [(f.kind, f.rank, f.charged) for f in result.failures] == [("preemption", 0, False)]
-    restored = load_state(storage, "preempted").attempts[1].restored_from
-    assert restored in saved, f"resumed from {restored}, not the just-in-time checkpoint"
-    step = saved[restored]["step"]
+    ((jit_step,),) = {(m["step"],) for m in saved.values()}  # the loop saves once
     # the ranks agree every few polls (at most AGREE_EVERY_MAX apart), each agreement read at
     # the poll after it started: the loop learns of the notice within that many steps
-    assert 44 <= step <= 44 + AGREE_EVERY_MAX + 1, step
-    assert result.metrics["resumed_from"] == step + 1
+    assert 44 <= jit_step <= 44 + AGREE_EVERY_MAX + 1, jit_step
+    # the restart resumes from the just-in-time checkpoint, or from a later one where the loop
+    # (a few ms a step) reached its end before the group stopped; never from step 39's
+    restored = load_state(storage, "preempted").attempts[1].restored_from
+    assert restored in kept and kept[restored]["step"] >= jit_step, (restored, kept)
     want = reference(ray_patterns.preemption_jit, config)
     assert_bit_identical(
         stored(result.checkpoint, "checkpoint.pt")["model"],

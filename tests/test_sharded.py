@@ -158,6 +158,8 @@ def test_fsdp_shards_checkpointed_with_dcp_restore_bit_exactly(prefect_api, tmp_
     assert whole.status == resumed.status == "finished", (whole.error, resumed.error)
     assert [f.kind for f in resumed.failures] == ["exception"]
     assert resumed.last_metrics["restored_exact"] is True  # each rank's shards, bit for bit
-    assert resumed.last_metrics["params"] == whole.metrics["params"]  # and it trains on the same
+    assert (
+        resumed.last_metrics["params"] == whole.last_metrics["params"]
+    )  # and it trains on the same
     files = sorted(os.listdir(resumed.checkpoint.path))
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files), files

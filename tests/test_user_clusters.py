@@ -299,7 +299,7 @@ def torchrun_probe(config):
     import torch
 
     ddp = ft_train.torch.prepare_model(
-        torch.nn.Linear(2, 2), "ddp", {"find_unused_parameters": True}
+        torch.nn.Linear(2, 2), parallel_strategy_kwargs={"find_unused_parameters": True}
     )
     mine["ddp_kwargs"] = ddp.find_unused_parameters  # passed through to DDP
     everyone: list = [None] * dist.get_world_size()
