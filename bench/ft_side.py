@@ -55,6 +55,9 @@ class FtApi(Api):
             snapshot=self.snapshot() if self.snapshot else None,
         )
 
+    def preemption_info(self):
+        return ft_train.get_preemption_info()
+
     def use_snapshots(self, files, jit) -> None:
         self.snapshot = files
         ft_train.enable_jit_checkpoint(files=jit)
@@ -285,13 +288,13 @@ def cold_start(p: dict) -> dict:
 
 
 def steady(p: dict) -> dict:
-    """Report metrics every step; steps/s and report() blocking time."""
+    """Report metrics every step; steps/s and report() blocking time. `poll_preemption`: also
+    get_preemption_info() after every step (bench/report_cost.py)."""
     events = os.path.join(p["workdir"], "events.jsonl")
-    run = call_flow(
-        "steady",
-        {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)},
-        p,
-    )
+    cfg = {"steps": p["steps"], "events": events, "report_every": p.get("report_every", 1)}
+    if p.get("poll_preemption"):
+        cfg["poll_preemption"] = True
+    run = call_flow("steady", cfg, p)
     return {"run": run, "events": read_events(events)}
 
 

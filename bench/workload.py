@@ -100,6 +100,10 @@ class Api:
         just-in-time save when a peer fails."""
         raise NotImplementedError(f"{self.system} has no in-memory snapshots")
 
+    def preemption_info(self) -> Any:
+        """The system's get_preemption_info(): None, or what it says of a notice."""
+        raise NotImplementedError(f"{self.system} has no get_preemption_info()")
+
     def wait_committed(self, config: dict, step: int) -> None:
         """Block until the checkpoint reported at `step` is committed (before a fault fires, so
         that every system restores the same checkpoint)."""
@@ -215,7 +219,8 @@ def run_loop(config: dict, api: Api) -> None:
     before the first checkpoint), settle (wait for each checkpoint's commit before the next),
     control (a directory of the harness's files, `_control`), snapshot (offer the system's
     in-memory snapshot tier the state: rank 0's at every report, and every rank's just in
-    time)."""
+    time), poll_preemption (call the system's get_preemption_info() after every optimizer step,
+    as Ray's pattern does; only measured: a notice is logged, nothing is saved)."""
     torch.set_num_threads(1)  # two ranks on two cores: one core each, in every system
     rank = api.rank()
     ev = Events(config.get("events"), api.system, rank)
@@ -262,6 +267,7 @@ def run_loop(config: dict, api: Api) -> None:
         # any survivor may be the one that saves just in time; a restore takes the lowest rank's
         api.use_snapshots(snapshot, jit)
     control, stop_at = config.get("control"), None
+    poll, noticed = config.get("poll_preemption", False), False
 
     for step in range(start + 1, config["steps"] + 1):
         if control:
@@ -274,6 +280,9 @@ def run_loop(config: dict, api: Api) -> None:
         loss.backward()
         opt.step()
         done = step
+        if poll and api.preemption_info() is not None and not noticed:
+            noticed = True
+            ev.emit("preemption_notice", step=step)
         t = time.time()
         ev.emit("step", t=t, step=step, restored=restored)
         metrics = {"step": step, "loss": loss.item(), "t": t}
