@@ -119,18 +119,7 @@ def prepare_model(
       shard).
     - None: no wrapping.
     """
-    if not isinstance(move_to_device, (bool, torch.device)):
-        # e.g. prepare_model(model, "ddp"): the second argument is Ray's move_to_device, as here
-        raise ConfigError(
-            f"prepare_model(move_to_device={move_to_device!r}): give True, False or a "
-            "torch.device; the second argument is move_to_device (Ray's order): pass the "
-            "strategy by keyword, parallel_strategy='ddp'"
-        )
-    if parallel_strategy not in PARALLEL_STRATEGIES:
-        raise ConfigError(
-            f"prepare_model(parallel_strategy={parallel_strategy!r}): give 'ddp', 'fsdp' "
-            "(FSDP1, GPUs only), 'fsdp2' (FSDP2's fully_shard) or None (no wrapping)"
-        )
+    _check_arguments(move_to_device, parallel_strategy)
     kwargs = dict(parallel_strategy_kwargs or {})
     device = move_to_device if isinstance(move_to_device, torch.device) else get_device()
     if parallel_strategy == "fsdp" and device.type != "cuda":
@@ -160,6 +149,22 @@ def prepare_model(
     if device.type == "cuda":
         kwargs = {"device_ids": [device], "output_device": device, **kwargs}
     return DistributedDataParallel(model, **kwargs)
+
+
+def _check_arguments(move_to_device: Any, parallel_strategy: Any) -> None:
+    """prepare_model's arguments as Ray's: refused naming the fix, before the model is touched."""
+    if not isinstance(move_to_device, (bool, torch.device)):
+        # e.g. prepare_model(model, "ddp"): the second argument is Ray's move_to_device, as here
+        raise ConfigError(
+            f"prepare_model(move_to_device={move_to_device!r}): give True, False or a "
+            "torch.device; the second argument is move_to_device (Ray's order): pass the "
+            "strategy by keyword, parallel_strategy='ddp'"
+        )
+    if parallel_strategy not in PARALLEL_STRATEGIES:
+        raise ConfigError(
+            f"prepare_model(parallel_strategy={parallel_strategy!r}): give 'ddp', 'fsdp' "
+            "(FSDP1, GPUs only), 'fsdp2' (FSDP2's fully_shard) or None (no wrapping)"
+        )
 
 
 def enable_reproducibility(seed: int = 0) -> None:
