@@ -35,33 +35,15 @@ from ft_train.worker.rank import _control_group, free_port
 from ft_train.worker.session import Session
 from ft_train.worker.uploads import Uploads
 from tests.helpers import load_state, wait_for
+from tests.rank_specs import rank_spec
 
 REPO = str(Path(__file__).resolve().parents[1])
 ATTEMPT_ID = "c0ffee" + "0" * 26
 
 
 def spec(storage: Storage, rank: int = 0, world: int = 1, name: str = "run") -> RankSpec:
-    return RankSpec(
-        train_loop="unused:fn",
-        config={},
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
-        local_world_size=world,
-        node_rank=0,
-        name=name,
-        attempt=0,
-        attempt_id=ATTEMPT_ID,
-        master_addr="127.0.0.1",
-        master_port=0,
-        backend="gloo",
-        use_gpu=False,
-        storage=storage,
-        checkpoint_dir=None,
-        start_report_index=0,
-        topic="unused",
-        collective_timeout_s=1800.0,
-        agreement_interval_s=0.0,
+    return rank_spec(
+        storage, rank, world, name=name, attempt_id=ATTEMPT_ID, collective_timeout_s=1800.0
     )
 
 

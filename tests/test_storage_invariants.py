@@ -42,6 +42,7 @@ from ft_train.storage.run_state import (
 )
 from ft_train.worker.session import Session
 from tests.helpers import fresh
+from tests.rank_specs import rank_spec as a_rank_spec
 
 ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings
 ATTEMPT_1 = "1b" * 16
@@ -121,27 +122,16 @@ def rank_spec(
     attempt_id: str,
     start_index: int,
 ) -> RankSpec:
-    return RankSpec(
+    return a_rank_spec(
+        storage,
+        rank,
+        world,
         train_loop=noop_train_loop,
-        config={},
-        rank=rank,
-        world_size=world,
-        local_rank=rank,
-        local_world_size=world,
-        node_rank=0,
         name=name,
         attempt=attempt,
         attempt_id=attempt_id,
-        master_addr="127.0.0.1",
-        master_port=0,
-        backend="gloo",
-        use_gpu=False,
-        storage=storage,
-        checkpoint_dir=None,
         start_report_index=start_index,
-        topic="unused",
         collective_timeout_s=1800.0,
-        agreement_interval_s=0.0,
     )
 
 
