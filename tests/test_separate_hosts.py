@@ -60,7 +60,7 @@ class Hosts:
         sched, s3 = network.add_host("sched"), network.add_host("s3")
         self.a, self.b = network.add_host("a"), network.add_host("b")
         self.address = f"tcp://{sched.address}:8786"
-        # What ft-train needs of a scheduler it did not start (README, "Production set-up").
+        # What ft-train needs of a scheduler it did not start (docs/prefect.md, "Production set-up").
         scheduler_env = {
             **self.env,
             "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0",

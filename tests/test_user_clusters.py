@@ -249,7 +249,7 @@ def test_a_slurm_cluster_class_builds_its_job_script_without_slurm(caplog):
         assert line in script, script
 
 
-# The README's SLURM example (README: Clusters), as ft-train is given it.
+# The SLURM example of docs/clusters.md, as ft-train is given it.
 SLURM = {
     "cores": 1,  # the worker's threads: one, for its rank
     "job_cpu": 8,  # the job's CPUs, for the rank's torch threads and DataLoader processes
