@@ -38,6 +38,8 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from . import prefect_private
+
 logger = get_logger()  # "prefect", where Prefect says it starts and stops its temporary server
 
 # How long to wait for the server where PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is not
@@ -70,8 +72,7 @@ class TemporaryServer:
             env = {
                 **os.environ,
                 "PREFECT_UI_ENABLED": "0",
-                "PREFECT__SERVER_EPHEMERAL": "1",
-                "PREFECT__SERVER_FINAL": "1",
+                **prefect_private.EPHEMERAL_SERVER_ENV,
                 **get_current_settings().to_environment_variables(exclude_unset=True),
             }
             self.process: subprocess.Popen | None = subprocess.Popen(

@@ -25,6 +25,9 @@ import sys
 import threading
 
 import uvicorn
+
+# run as a script: its own directory, flows/, is first on sys.path
+from prefect_private import SERVER_APP  # flows/prefect_private.py
 from uvicorn.main import STARTUP_FAILURE
 
 GRACE_S = 10.0  # for uvicorn's own stop (Prefect's services); then the process exits regardless
@@ -48,9 +51,7 @@ def main(fd: int, app_dir: str) -> None:
     # What Prefect's own server command runs: its app factory, from its package's directory (the
     # starting process turns the UI off), errors only.
     sys.path.insert(0, app_dir)
-    config = uvicorn.Config(
-        "prefect.server.api.server:create_app", factory=True, log_level="error", lifespan="on"
-    )
+    config = uvicorn.Config(SERVER_APP, factory=True, log_level="error", lifespan="on")
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

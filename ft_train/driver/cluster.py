@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import multiprocessing.forkserver
+import multiprocessing
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -29,6 +29,7 @@ import dask
 from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster
 
 from .. import knobs
+from ..compat import forkserver
 from ..config import ClusterConfig, ScalingConfig
 from ..errors import ConfigError
 from ..worker.warm import TORCH
@@ -75,14 +76,12 @@ def start_forkserver(preload: Sequence[str] = ()) -> bool:
     with _forkserver_lock:
         if _forkserver_env is not None:
             return True
-        server = multiprocessing.forkserver._forkserver
-        if getattr(server, "_forkserver_pid", None) is not None:
+        if forkserver.is_running():
             return False
         env = _spawn_environ()
+        server = forkserver.the_server()
         with _environ(env):  # the server inherits it, as a nanny's spawned worker would
-            server.set_forkserver_preload(
-                _preload([*getattr(server, "_preload_modules", []), *preload])
-            )
+            server.set_forkserver_preload(_preload([*forkserver.preload_modules(), *preload]))
             server.ensure_running()
         _forkserver_env = env
         return True

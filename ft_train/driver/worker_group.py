@@ -16,7 +16,6 @@ and waiting for the collective timeout would take up to 30 minutes.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import queue
@@ -32,6 +31,7 @@ from distributed import Client, KilledWorker
 from distributed.protocol import pickle
 
 from .. import knobs
+from ..compat import dask_broker
 from ..controller.ports import GroupPlan
 from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
 from ..worker import journal, preemption
@@ -313,11 +313,8 @@ class WorkerGroup:
 
 
 def _keep_no_events(topic: str, dask_scheduler=None) -> None:
-    """On the scheduler: keep none of `topic`'s events once they are sent to the subscribers (a
-    private attribute: a version of distributed without it keeps them, as before)."""
-    broker = getattr(dask_scheduler, "_broker", None)
-    if broker is not None:
-        broker._topics[topic].events = collections.deque(maxlen=0)
+    """On the scheduler: keep none of `topic`'s events once they are sent to the subscribers."""
+    dask_broker.keep_no_events(dask_scheduler, topic)
 
 
 def _ended(attempt: int, rank: int, future) -> RankEnded:

@@ -11,10 +11,9 @@ The server starts with the nanny's first worker, after the nanny has set its pre
 
 from __future__ import annotations
 
-from multiprocessing import forkserver
-
 from distributed.utils import get_mp_context
 
+from ..compat import forkserver
 from .warm import TORCH
 
 
@@ -22,5 +21,5 @@ def dask_setup(nanny) -> None:
     ctx = get_mp_context()  # Dask's own list first (distributed and what it imports)
     if ctx.get_start_method() != "forkserver":
         return
-    have = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
+    have = forkserver.preload_modules()
     ctx.set_forkserver_preload(have + [m for m in TORCH if m not in have])
