@@ -1,8 +1,9 @@
 """Writes tests/data/run_state_f5c7211/: a run's directory (run_state.json and the manifests of
 its checkpoints) as ft-train wrote it at commit f5c7211 (main on 2026-12-07; it was run at
 333a016, which changes no code under ft_train/), with failures of every kind, for the test that
-a run state written then still resumes (tests/unit/test_failure_kinds.py). Driven through the real controller, run store and checkpoint manager on a
-fake cluster (tests/fake_cluster.py); the driver crash recorded as `ft_train.driver.prepare` does.
+a run state written then still resumes (tests/unit/test_failure_kinds.py). Driven through the
+real controller, run store and checkpoint manager on a fake cluster (tests/fake_cluster.py);
+the driver crash recorded as `ft_train.driver.prepare` does.
 
 Run once at that commit (the controller's private names it uses have moved since):
     PYTHONPATH=. python tests/data/make_run_state.py tests/data/run_state_f5c7211
