@@ -1,10 +1,10 @@
 """The controller's transitions, one at a time, with a fake cluster (tests/fake_cluster.py): no
 Dask, no torch. The run state, its store and the checkpoint manager are the real ones, on a
-local directory. The test plays the ranks by putting their events on the controller's queue."""
+local directory. The test plays the ranks by putting their events on the controller's queue.
+Time is a fake clock's (tests/fake_clock.py): it moves only when the controller would wait, so
+every deadline here is the real knob's, and no test waits for one."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -27,9 +27,10 @@ from ft_train.protocol import Report, Reported
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
+from tests.fake_clock import FakeClock
 from tests.fake_cluster import FakeCluster
 
-pytestmark = pytest.mark.timeout(10)  # a step with no event to wait for would block
+pytestmark = pytest.mark.timeout(10)
 
 
 class Recorder(Callback):
@@ -47,13 +48,6 @@ class Recorder(Callback):
 
     def on_run_end(self, state):
         self.calls.append(("end", state.status))
-
-
-@pytest.fixture(autouse=True)
-def quick_judgements(monkeypatch):
-    """The controller's waits, at test speed (the knobs the real runs use are seconds)."""
-    monkeypatch.setattr(knobs, "COLLATERAL_WAIT_S", 0.02)
-    monkeypatch.setattr(knobs, "NOTICE_SLACK_S", 0.0)
 
 
 @pytest.fixture
@@ -87,6 +81,7 @@ def make(tmp_path):
             ft_train.FailureConfig(**failure),
             log=lambda msg: None,
             callbacks=[recorder],
+            clock=FakeClock(),
         )
         return ctl, cluster, recorder
 
@@ -96,7 +91,7 @@ def make(tmp_path):
 def go(ctl: Controller, steps: int = 1):
     """Make `steps` transitions; the last state."""
     for _ in range(steps):
-        ctl._set_state(ctl.step())
+        ctl.step()
     return ctl.current
 
 
@@ -178,13 +173,14 @@ def test_ranks_that_reported_unequally_end_the_run_at_once(make):
     assert ctl.state.status == "failed" and not ctl.state.failures
 
 
-def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make, monkeypatch):
-    monkeypatch.setattr(knobs, "REPORT_DRAIN_TIMEOUT_S", 0.05)
+def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make):
     ctl, _, _ = make(max_failures=1)
     started(ctl).returned(reports=3)
+    began = ctl.clock.monotonic()
     with pytest.raises(AttemptFailed, match="never reached the driver"):
         ctl.run_segment()
     assert ctl.state.failures[-1].kind == "exception"
+    assert ctl.clock.monotonic() - began == knobs.REPORT_DRAIN_TIMEOUT_S
 
 
 # -- failures and what they are charged to ------------------------------------------------------
@@ -295,14 +291,15 @@ def test_the_watchdog_counts_from_the_rank_heard_from_least_recently(make):
     ctl, _, _ = make(max_failures=1, hang_timeout_s=1.0)
     group = started(ctl).joined(0, 1)
     go(ctl, 2)
-    time.sleep(0.7)
+    ctl.clock.advance(0.7)
     group.report(1, ranks=[0])  # rank 0, heard from first, is heard from again
     go(ctl)
-    began = time.monotonic()
+    began = ctl.clock.monotonic()
     with pytest.raises(AttemptFailed, match="hang"):
         ctl.run_segment()
     assert ctl.state.failures[-1].rank == 1
-    assert time.monotonic() - began < 0.65  # rank 1's 1 s ran out ~0.3 s after rank 0's report
+    # rank 1's 1 s ran out 0.3 s after rank 0's report (counted from rank 0, 1 s after it)
+    assert ctl.clock.monotonic() - began == pytest.approx(0.3)
 
 
 def test_the_budget_spent_ends_the_run_naming_the_setting(make):
@@ -414,9 +411,9 @@ def test_an_async_upload_that_never_finished_leaves_its_round_uncommitted(make):
 
 def test_a_notice_then_a_just_in_time_checkpoint_restarts_elsewhere_uncharged(make):
     ctl, _, _ = make()
-    group = started(ctl).notice(1, deadline=time.time() + 60)
+    group = started(ctl).notice(1, deadline=ctl.clock.time() + 60)
     assert isinstance(go(ctl), Preempting)
-    group.preempted_at(1, leaving=(1,), deadline=time.time() + 60, checkpoint=True)
+    group.preempted_at(1, leaving=(1,), deadline=ctl.clock.time() + 60, checkpoint=True)
     segment = ctl.run_segment()  # the JIT checkpoint ends the segment; no error
     assert segment.kind == "checkpoint" and isinstance(ctl.current, Restarting)
     failure = ctl.state.failures[-1]
@@ -427,7 +424,7 @@ def test_a_notice_then_a_just_in_time_checkpoint_restarts_elsewhere_uncharged(ma
 
 def test_a_notice_that_runs_out_without_a_checkpoint_restarts_at_once(make):
     ctl, _, _ = make(workers=4)
-    started(ctl).notice(0, deadline=time.time() - 1)
+    started(ctl).notice(0, deadline=ctl.clock.time() - 1)
     go(ctl)
     assert isinstance(go(ctl), Restarting)  # the deadline has passed
     assert "no checkpoint was saved in time" in ctl.state.failures[-1].error
