@@ -16,7 +16,6 @@ from ft_train.controller import (
     Draining,
     Errored,
     Finished,
-    GroupPlan,
     Preempting,
     Resizing,
     Restarting,
@@ -28,7 +27,7 @@ from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
 from tests.fake_clock import FakeClock
-from tests.fake_cluster import FakeCluster
+from tests.fake_cluster import FakeCluster, fake_plan
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -57,19 +56,7 @@ def make(tmp_path):
         store = RunStore(storage, "run")
         state = RunState(name="run")
         cfg = ft_train.CheckpointConfig(**failure.pop("checkpoint", {}))
-        plan = GroupPlan(
-            train_loop="x:y",
-            config={},
-            name="run",
-            storage=storage,
-            min_workers=min(ranks, failure.pop("min_workers", ranks)),
-            max_workers=ranks,
-            use_gpu=False,
-            start_timeout_s=1.0,
-            collective_timeout_s=1800.0,
-            agreement_interval_s=0.0,
-            elastic_wait_s=0.0,
-        )
+        plan = fake_plan(storage, ranks=ranks, min_workers=failure.pop("min_workers", None))
         cluster, recorder = FakeCluster(workers), Recorder()
         failure.setdefault("hang_timeout_s", None)
         ctl = Controller(
