@@ -444,6 +444,36 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_one_before_restored(make
     assert not ctl.state.failures[-1].charged
 
 
+def test_a_damaged_latest_checkpoint_with_none_before_it_is_a_charged_failure(make):
+    ctl, _, _ = make(max_failures=1, checkpoint={"num_to_keep": 1})
+    group = started(ctl).report(1, checkpoint=True)
+    ctl.run_segment()
+    latest = ctl.state.latest
+    damaged = ctl.manager.latest_uri(ctl.state)
+    group.raised(0, "CheckpointDamagedError: sha256 differs", step=1, damaged=damaged)
+    with pytest.raises(AttemptFailed, match="no earlier checkpoint is kept"):
+        ctl.run_segment()
+    assert ctl.state.latest == latest and ctl.state.failures[-1].charged
+
+
+def test_an_unusable_snapshot_round_is_passed_over_uncharged(make):
+    ctl, cluster, _ = make(max_failures=1, workers=6)
+    group = started(ctl)
+    cluster.snapshots = [held(group.attempt_id, rank, 5) for rank in (0, 1)]
+    group.raised(0, "boom", step=6)
+    with pytest.raises(AttemptFailed):
+        ctl.run_segment()
+    restored = started(ctl)
+    assert restored.snapshot is not None and restored.started_from == (None, 5)
+    restored.raised(
+        1, "SnapshotError: piece gone", step=5, damaged=f"snapshot://{group.attempt_id}/5"
+    )
+    go(ctl)
+    assert isinstance(ctl.current, Restarting) and not ctl.state.failures[-1].charged
+    assert "from an older snapshot or from storage" in ctl.state.failures[-1].error
+    assert started(ctl).snapshot is None  # the round is not taken again
+
+
 def test_an_elastic_group_with_workers_to_spare_resizes_after_a_checkpoint(make):
     ctl, cluster, _ = make(ranks=3, min_workers=2, workers=2)
     group = started(ctl).report(1, checkpoint=True)
