@@ -8,6 +8,7 @@ import queue
 from collections.abc import Callable, Collection
 from typing import Any
 
+from ft_train.controller.ports import GroupPlan
 from ft_train.errors import RankFailure
 from ft_train.protocol import (
     GroupEvent,
@@ -160,3 +161,23 @@ class FakeCluster:
 
     def drop_snapshots(self, run_uri: str) -> None:
         self.snapshots = []
+
+
+def fake_plan(
+    storage, name: str = "run", ranks: int = 2, min_workers: int | None = None
+) -> GroupPlan:
+    """A group plan for a controller on the fake cluster: `ranks` ranks (at least `min_workers`,
+    an elastic group), a train loop no fake group runs."""
+    return GroupPlan(
+        train_loop="x:y",
+        config={},
+        name=name,
+        storage=storage,
+        min_workers=min(ranks, ranks if min_workers is None else min_workers),
+        max_workers=ranks,
+        use_gpu=False,
+        start_timeout_s=1.0,
+        collective_timeout_s=1800.0,
+        agreement_interval_s=0.0,
+        elastic_wait_s=0.0,
+    )

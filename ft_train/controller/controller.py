@@ -1,14 +1,23 @@
 """The controller: a state machine over worker-group attempts (`state.py` draws it).
 
-`step()` makes one transition and returns the next state; `_set_state` is the one place a
-transition takes effect. `run_segment()` steps until the next committed checkpoint (one Prefect
-task run), the end of training, or a failure the caller retries: a charged failure raises
-`AttemptFailed` (Prefect's task retry calls `run_segment` again, which restarts the group
-from the latest committed checkpoint); an uncharged one (a preemption, a damaged checkpoint
-dropped) restarts at once. A failure the policy does not retry raises the run's final error
-(`WorkerGroupError` once max_failures is spent on worker failures). Decisions come from
-`ft_train.policy`; the cluster is behind `ports.Cluster`, so a test drives the controller with
-fakes.
+`step()` makes one transition; `_set_state` is the one place a transition takes effect. In a
+group's states the watch (`group_events.GroupWatch`) says what its events and deadlines mean,
+and the controller carries out what it says (`_carry_out`): only the controller stops groups,
+commits, records failures and asks the failure policy. Every reading of the time and every wait
+goes through its clock (`clock.Clock`), so that a test can give it one of its own.
+
+`run_segment()` steps until the next committed checkpoint (one Prefect task run), the end of
+training, or a failure the caller retries: a charged failure raises `AttemptFailed` (Prefect's
+task retry calls `run_segment` again, which restarts the group from the latest committed
+checkpoint); an uncharged one (a preemption, a damaged checkpoint dropped) restarts at once. A
+failure the policy does not retry raises the run's final error (`WorkerGroupError` once
+max_failures is spent on worker failures). Decisions come from `ft_train.policy`; the cluster is
+behind `ports.Cluster`, so a test drives the controller with fakes.
+
+One piece: the controller carries out every transition of the run (starting a group, committing
+a round, stopping a group and recording its failure, draining, finishing), and each needs the
+run state, the store, the checkpoint manager and the callbacks together; split by transition,
+the pieces would share all of that state again.
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,6 +34,7 @@ from ..config import FailureConfig
 from ..errors import (
     AttemptFailed,
     FtTrainError,
+    RankFailure,
     RunLockedError,
     SessionError,
     TrainingFailedError,
@@ -33,10 +42,29 @@ from ..errors import (
 from ..policy import failure as failure_policy
 from ..protocol import GroupEvent, LeaseLost, Report, Reported
 from ..storage.checkpoint_manager import CheckpointManager
-from ..storage.run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
+from ..storage.run_state import (
+    AttemptRecord,
+    FailureKind,
+    FailureRecord,
+    RunState,
+    RunStore,
+    now,
+)
 from ..worker.warm import TORCH
-from . import group_events
 from .callbacks import Callback, notify
+from .clock import Clock, SystemClock
+from .group_events import (
+    Ended,
+    GroupFailed,
+    GroupUp,
+    GroupWatch,
+    Outcome,
+    Preempted,
+    Resized,
+    RestoreFailed,
+    Returned,
+    RoundComplete,
+)
 from .ports import Cluster, GroupPlan
 from .rounds import ReportRounds, Round, collision_warning, label_conflict
 from .snapshots import SnapshotRound, SnapshotTier
@@ -75,10 +103,12 @@ class Controller:
         failure_config: FailureConfig,
         log: Callable[[str], None] = logger.info,
         callbacks: Sequence[Callback] = (),
+        clock: Clock | None = None,
     ):
         self.cluster, self.plan, self.state = cluster, plan, state
         self.store, self.manager, self.failure_config = store, manager, failure_config
         self.log, self.callbacks = log, list(callbacks)
+        self.clock: Clock = clock or SystemClock()
         # What a user should look into (a rank's traceback, say): a warning, unless the caller
         # gives a logger of its own.
         self.warn: Callable[[str], None] = logger.warning
@@ -94,7 +124,16 @@ class Controller:
         self.start_failures = 0  # groups in a row that failed before every rank had joined
         self._watching = self._warming = False
         self._segment: Segment | None = None  # a checkpoint committed by the last step
-        self._last_progress_log = time.monotonic()
+        self._last_progress_log = self.clock.monotonic()
+        # log and warn through self: a caller may replace them after construction
+        self._watch = GroupWatch(
+            self.events,
+            cluster,
+            failure_config,
+            self.clock,
+            lambda msg: self.log(msg),
+            lambda msg: self.warn(msg),
+        )
 
     # -- public -------------------------------------------------------------------------------
 
@@ -107,7 +146,6 @@ class Controller:
             raise self.current.error
         while not isinstance(self.current, Finished):
             nxt = self.step()
-            self._set_state(nxt)
             if isinstance(nxt, Errored):
                 raise nxt.error
             if isinstance(nxt, Restarting) and nxt.failure is not None and nxt.failure.charged:
@@ -118,15 +156,18 @@ class Controller:
         return Segment("finished", self.state.report_index, self.last_metrics)
 
     def step(self) -> State:
-        """One transition from the current state; returns the next state."""
+        """One transition from the current state, taken; returns the new state."""
         s = self.current
         if isinstance(s, Restarting):
-            return self._start_group()
-        if isinstance(s, Draining):
-            return self._drain(s)
-        if isinstance(s, (Running, Resizing, Preempting)):
-            return group_events.watch(self, s)
-        return s  # terminal
+            nxt = self._start_group()
+        elif isinstance(s, Draining):
+            nxt = self._await_last_reports(s)
+        elif isinstance(s, (Running, Resizing, Preempting)):
+            nxt = self._carry_out(self._watch.next(s))
+        else:
+            nxt = s  # terminal
+        self._set_state(nxt)
+        return nxt
 
     def lease_lost(self, why: str) -> None:
         """Another driver took the run over (from the lease's thread): stop training now."""
@@ -141,7 +182,7 @@ class Controller:
             else:  # KeyboardInterrupt, SystemExit, Prefect's TerminationSignal: not charged
                 self.state.status = "interrupted"
                 interrupt = FailureRecord(
-                    kind="driver_interrupt",
+                    kind=FailureKind.DRIVER_INTERRUPT,
                     error=type(error).__name__,
                     attempt=self._attempt(),
                     step=self._last_index(),
@@ -167,6 +208,31 @@ class Controller:
             logger.debug("controller: %s -> %s", type(prev).__name__, type(nxt).__name__)
             if nxt.is_terminal:
                 notify(self.callbacks, "on_run_end", self.state)
+
+    def _carry_out(self, o: State | Outcome) -> State:
+        """What the watch said, done; the next state."""
+        match o:
+            case RoundComplete(state=s, round=rnd):
+                return self._round_complete(s, rnd)
+            case GroupFailed():
+                return self._fail(o.state, o.rank, o.kind, o.error, o.step, o.traceback)
+            case RestoreFailed(state=s, rank=rank, failure=exc):
+                return self._restore_failed(s, rank, exc)
+            case Preempted(state=s, jit=jit):
+                return self._preempted(s, jit)
+            case Resized(attempt=attempt):
+                return self._resized(attempt)
+            case Returned(state=s):
+                return self._returned(s)
+            case GroupUp(state=s):
+                self.start_failures = 0  # every rank started: the group is up
+                self._warm_workers()
+                return s
+            case Ended(error=error, record=record, stop=stop):
+                if stop:
+                    self._stop_now()
+                return self._errored(error, record)
+        return o
 
     def _start_group(self) -> State:
         self.store.fence()  # no ranks for a run that is another driver's now
@@ -214,19 +280,37 @@ class Controller:
             self._warming = True
             self.cluster.warm(TORCH + self.plan.warm)
 
+    def _round_complete(self, s: GroupState, rnd: Round) -> State:
+        """A running group's round: hand it out; after a checkpoint, a group whose workers are
+        leaving stops (the checkpoint was their just-in-time one), and an elastic group below
+        max_workers with workers to spare stops at its next report (a resize, not a failure)
+        to start a larger one from this checkpoint."""
+        after = self._on_round(s, rnd)
+        if rnd.dir_name is None or after is not s:  # no checkpoint, or one the run cannot take
+            return after
+        if isinstance(s, Preempting) and s.boundary:
+            return self._preempted(s, rnd.dir_name)
+        group = s.attempt.group
+        if isinstance(s, Running) and self.cluster.can_grow(
+            self.plan, group.addresses, self.dead_workers
+        ):
+            group.request_stop()
+            return Resizing(s.attempt)
+        return s
+
     def _on_round(self, s: State, rnd: Round) -> State:
         """A round every rank reported: commit its checkpoint, if it has one."""
         self.last_metrics = rnd.metrics
         notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
         if rnd.dir_name is None:
-            if time.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
-                self._last_progress_log = time.monotonic()
+            if self.clock.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
+                self._last_progress_log = self.clock.monotonic()
                 self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
             return s
         if (conflict := label_conflict(rnd)) is not None:
-            return self.errored(SessionError(conflict))
+            return self._errored(SessionError(conflict))
         if not rnd.files:  # restored, it would be an empty directory: as if from scratch
-            return self.errored(
+            return self._errored(
                 SessionError(
                     f"report() {rnd.index}: the checkpoint holds no files on any rank; save the "
                     "checkpoint's files into it before report(), or report without checkpoint="
@@ -239,7 +323,7 @@ class Controller:
     def _commit(self, rnd: Round, how: str = "") -> None:
         assert rnd.dir_name is not None  # a round with a checkpoint
         if (conflict := label_conflict(rnd)) is not None:
-            # A recovered round (`stop_group`): its files lie in several directories, and the
+            # A recovered round (`_stop_group`): its files lie in several directories, and the
             # restart reports it again, where `_on_round` refuses it.
             self.log(f"round {rnd.index} not committed: {conflict}")
             return
@@ -255,18 +339,19 @@ class Controller:
         )
         notify(self.callbacks, "on_checkpoint_committed", self.state.latest_entry(), self.state)
 
-    def _drain(self, s: Draining) -> State:
+    def _await_last_reports(self, s: Draining) -> State:
         """Every rank returned: wait for its reports still in flight, then finish."""
         rounds = s.attempt.rounds
         if (rnd := rounds.pop_complete()) is not None:
             return self._on_round(s, rnd)  # the next call finishes
         if rounds.last_index >= s.expected:
             return self._finished(s.attempt)
-        if time.monotonic() >= s.deadline:
+        if self.clock.monotonic() >= s.deadline:
             lost = f"reports {rounds.last_index + 1}..{s.expected} never reached the driver"
-            return self.fail(s, 0, "exception", lost, step=rounds.last_index)
+            return self._fail(s, 0, FailureKind.EXCEPTION, lost, step=rounds.last_index)
         try:
-            event = self.events.get(timeout=0.1)
+            wait = max(0.0, s.deadline - self.clock.monotonic())
+            event = self.clock.next_event(self.events, wait)
         except queue.Empty:
             return s
         if isinstance(event, Reported) and isinstance(event.message, Report):
@@ -305,21 +390,23 @@ class Controller:
             )
             return None
 
-    def drain(self, s: GroupState) -> State:
-        """Every rank returned from its training function: check they reported alike."""
+    def _returned(self, s: GroupState) -> State:
+        """Every rank returned from its training function: check they reported alike, then
+        drain their last reports."""
         counts = {r: d["reports"] for r, d in sorted(s.attempt.done.items())}
         if len(set(counts.values())) > 1:
-            return self.errored(
+            return self._errored(
                 SessionError(
                     f"ranks called report() a different number of times ({counts}); every rank must "
                     "call report() the same number of times"
                 )
             )
-        return Draining(s.attempt, counts[0], time.monotonic() + knobs.REPORT_DRAIN_TIMEOUT_S)
+        deadline = self.clock.monotonic() + knobs.REPORT_DRAIN_TIMEOUT_S
+        return Draining(s.attempt, counts[0], deadline)
 
     # -- failures -----------------------------------------------------------------------------
 
-    def stop_group(self, attempt: Attempt, kill_first=(), lost=()) -> set[int]:
+    def _stop_group(self, attempt: Attempt, kill_first=(), lost=()) -> set[int]:
         """Stop the group, then commit the newest round that all of its ranks reported, from
         their journals: a rank's last reports may have died with it, but not its journal
         (`ft_train.worker.journal`). Returns the ranks that had joined the process group.
@@ -333,11 +420,11 @@ class Controller:
             self._commit(rnd, " (recovered from the ranks' journals)")
         return set(attempt.progress) | {r for r, j in journals.items() if "index" in j}
 
-    def fail(
+    def _fail(
         self,
         s: State,
         rank: int,
-        kind: str,
+        kind: FailureKind,
         error: str,
         step: int | None = None,
         traceback: str = "",
@@ -347,10 +434,10 @@ class Controller:
         seen = now()  # the record's time: when the failure was seen, not when the ranks stopped
         attempt = s.attempt  # type: ignore[union-attr]
         address = attempt.group.addresses[rank]
-        joined = self.stop_group(
+        joined = self._stop_group(
             attempt,
-            kill_first={address} if kind in ("exception", "hang") else set(),
-            lost={address} if kind == "node_loss" else set(),
+            kill_first={address} if kind in (FailureKind.EXCEPTION, FailureKind.HANG) else set(),
+            lost={address} if kind is FailureKind.NODE_LOSS else set(),
         )
         # Only a group some of whose ranks never joined failed to start; a rank that died after
         # it joined is an ordinary failure, whether or not its "started" reached the driver.
@@ -359,7 +446,7 @@ class Controller:
         rounds = attempt.rounds
         if step is None:
             step = rounds.received.get(rank, rounds.last_index)
-        return self.judge(
+        return self._judge(
             FailureRecord(
                 kind=kind,
                 rank=rank,
@@ -371,7 +458,90 @@ class Controller:
             )
         )
 
-    def judge(self, failure: FailureRecord) -> State:
+    def _restore_failed(self, s: GroupState, rank: int, exc: RankFailure) -> State:
+        """A rank raised on what its group restored from (`exc.damaged`). A snapshot round:
+        restart from the next newest round, or storage, uncharged (the tier is a bonus above
+        storage, and each round is given up once, so this cannot loop). The latest checkpoint,
+        found damaged (its files do not match its manifest): no restart from it can succeed;
+        the checkpoint manager drops it, the next group restores from the one before, and the
+        failure is not charged (each damaged checkpoint is dropped once). Its group restored
+        nothing, so no round of it is recovered. Otherwise a failure like any other."""
+        state, group = self.state, s.attempt.group
+        if self.snapshots.unusable(exc.damaged or ""):
+            self.dead_workers |= group.stop(grace_s=self.stop_grace_s)
+            error = f"{exc.error}; the run goes on from an older snapshot or from storage"
+            return self._judge(self._uncharged(rank, exc.step, error, group.attempt))
+        damaged = state.latest
+        if exc.damaged != self.manager.latest_uri(state):
+            return self._fail(
+                s, rank, FailureKind.EXCEPTION, exc.error, exc.step, traceback=exc.traceback
+            )
+        previous = self.manager.drop_damaged(state)
+        if previous is None:  # nothing to fall back to: a failure like any other
+            error = (
+                f"{exc.error}; no earlier checkpoint is kept (raise "
+                "run_config.checkpoint_config.num_to_keep to keep one)"
+            )
+            return self._fail(s, rank, FailureKind.EXCEPTION, error, exc.step, exc.traceback)
+        self.dead_workers |= group.stop(grace_s=self.stop_grace_s)
+        self.warn(
+            f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
+            f"{previous.dir_name} (step {previous.report_index})"
+        )
+        error = (
+            f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
+            f"{previous.dir_name} (step {previous.report_index})"
+        )
+        return self._judge(self._uncharged(rank, exc.step, error, group.attempt))
+
+    @staticmethod
+    def _uncharged(rank: int, step: int, error: str, attempt: int) -> FailureRecord:
+        return FailureRecord(
+            kind=FailureKind.EXCEPTION,
+            rank=rank,
+            step=step,
+            error=error,
+            attempt=attempt,
+            charged=False,
+        )
+
+    def _preempted(self, s: Preempting, jit: str | None) -> State:
+        """Workers are leaving: stop the group, let them go, record a preemption (charged to
+        max_preemption_failures only) and restart; the next group starts from the latest
+        committed checkpoint, which is the just-in-time one (`jit`) when the loop saved it."""
+        group, leaving = s.attempt.group, s.workers
+        # They go now rather than at their deadline; the other ranks then fail on their own at
+        # once (gloo sees the closed connections) and keep their processes.
+        self._stop_group(s.attempt, kill_first=leaving)
+        self.dead_workers |= leaving
+        step = s.attempt.rounds.last_index
+        ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
+        what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
+        self.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
+        return self._judge(
+            FailureRecord(
+                kind=FailureKind.PREEMPTION,
+                rank=min(ranks, default=None),
+                step=step,
+                error=f"worker(s) {sorted(leaving)} told to leave; {what}",
+                attempt=group.attempt,
+                charged=False,
+            )
+        )
+
+    def _resized(self, attempt: Attempt) -> State:
+        """The ranks left their training function at the driver's request: start a larger
+        group from the latest committed checkpoint."""
+        attempt.group.release()
+        # the ranks' last reports may still be on their way: their journals have them
+        if (rnd := attempt.rounds.recover(attempt.group.read_journals())) is not None:
+            self._commit(rnd, " (recovered from the ranks' journals)")
+        self.log(
+            f"growing the group of {len(attempt.group.addresses)} ranks (a resize, not a failure)"
+        )
+        return Restarting()
+
+    def _judge(self, failure: FailureRecord) -> State:
         """Record `failure` and go where the failure policy says: Restarting, or Errored."""
         cfg = self.failure_config
         self.state.failures.append(failure)
@@ -380,13 +550,13 @@ class Controller:
             failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is failure_policy.Decision.RAISE:
-            return self.errored(
+            return self._errored(
                 failure_policy.final_error(failure, self.state, cfg, self.start_failures)
             )
         self.store.save(self.state)
         return Restarting(failure)
 
-    def errored(self, error: FtTrainError, record: bool = True) -> State:
+    def _errored(self, error: FtTrainError, record: bool = True) -> State:
         """The run has failed for good: record it (unless the run is no longer this driver's:
         then only stop the ranks)."""
         if record:

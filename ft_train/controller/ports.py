@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from ..protocol import GroupEvent
 from ..storage.fs import Storage
+from ..storage.run_state import FailureKind
 
 
 @dataclass
@@ -67,8 +68,8 @@ class Group(Protocol):
 
     def release(self) -> None: ...
 
-    def lost_kind(self, address: str) -> str:
-        """ "process_death" or "node_loss", for a worker the scheduler let go."""
+    def lost_kind(self, address: str) -> FailureKind:
+        """PROCESS_DEATH or NODE_LOSS, for a worker the scheduler let go."""
         ...
 
 

@@ -13,7 +13,6 @@ Running, Resizing, Preempting and Draining share the running group's `Attempt`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from ..errors import FtTrainError, RankFailure
@@ -28,7 +27,7 @@ class Suspect:
 
     rank: int
     failure: RankFailure
-    deadline: float  # time.monotonic()
+    deadline: float  # the controller's clock's monotonic()
 
 
 @dataclass
@@ -42,12 +41,13 @@ class Attempt:
     progress: dict[int, float] = field(default_factory=dict)
     suspect: Suspect | None = None
 
-    def heard(self, rank: int) -> None:
-        """A message from `rank` now. Re-inserted, so that the running rank heard from least
-        recently is the first of `progress` not `done`: the watchdog finds it without a look at
-        every rank at every event (which cost a 1 024-rank driver ~0.1 s of CPU a round)."""
+    def heard(self, rank: int, at: float) -> None:
+        """A message from `rank` at `at` (the controller's monotonic clock). Re-inserted, so
+        that the running rank heard from least recently is the first of `progress` not `done`:
+        the watchdog finds it without a look at every rank at every event (which cost a
+        1 024-rank driver ~0.1 s of CPU a round)."""
         self.progress.pop(rank, None)
-        self.progress[rank] = time.monotonic()
+        self.progress[rank] = at
 
     def least_recently_heard(self) -> float | None:
         """When the running rank heard from least recently was last heard; None if none runs."""
@@ -91,7 +91,7 @@ class Preempting:
 
 @dataclass
 class Draining:
-    """Every rank returned: waiting (until `deadline`, monotonic) for its last `expected`
+    """Every rank returned: waiting (until `deadline`, on the clock's monotonic()) for its last `expected`
     reports still in flight."""
 
     attempt: Attempt

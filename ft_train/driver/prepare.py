@@ -21,7 +21,7 @@ from ..result import TrainResult
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.fs import Storage
 from ..storage.metric_history import MetricHistory, load_history
-from ..storage.run_state import STATE_FILE, FailureRecord, RunState, RunStore
+from ..storage.run_state import STATE_FILE, FailureKind, FailureRecord, RunState, RunStore
 from ..worker.rank import load_train_loop
 from . import resume
 from .lease import LEASE_FILE, RunLease
@@ -285,7 +285,7 @@ def _resume(
         # The previous driver never recorded an end: it was killed. Not charged to max_failures.
         state.failures.append(
             FailureRecord(
-                kind="driver_crash",
+                kind=FailureKind.DRIVER_CRASH,
                 error="the previous driver stopped without recording an end",
                 step=state.report_index,
                 attempt=len(state.attempts) - 1,

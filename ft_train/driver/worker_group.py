@@ -34,6 +34,7 @@ from .. import knobs
 from ..compat import dask_broker
 from ..controller.ports import GroupPlan
 from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
+from ..storage.run_state import FailureKind
 from ..worker import journal, preemption
 from ..worker.journal import run_key
 from ..worker.preemption import PreemptionWatcher
@@ -181,7 +182,7 @@ class WorkerGroup:
         msg = event[1]
         self.events.put(PreemptNotice(self.attempt, msg["worker"], msg["deadline"]))
 
-    def lost_kind(self, address: str) -> str:
+    def lost_kind(self, address: str) -> FailureKind:
         """A removed worker whose nanny still answers lost its process; otherwise its node, and
         the snapshots its nanny (or, without one, the worker) held: it is not asked again."""
         nanny = self.nannies.get(address)
@@ -189,11 +190,11 @@ class WorkerGroup:
             host, port = nanny.split("://", 1)[1].rsplit(":", 1)
             try:
                 socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
-                return "process_death"
+                return FailureKind.PROCESS_DEATH
             except OSError:
                 pass
         self.dead_holders.add(nanny or address)
-        return "node_loss"
+        return FailureKind.NODE_LOSS
 
     def read_journals(self, skip: Collection[str] = ()) -> dict[int, dict[str, Any]]:
         """The journals of this attempt's ranks (`ft_train.worker.journal`), once the group has

@@ -11,7 +11,7 @@ import enum
 from .. import knobs
 from ..config import FailureConfig
 from ..errors import RankError, TrainingFailedError, WorkerGroupError
-from ..storage.run_state import FailureRecord, RunState
+from ..storage.run_state import FailureKind, FailureRecord, RunState
 
 
 class Decision(enum.Enum):
@@ -31,7 +31,7 @@ def decide(
     its own budget; other uncharged failures (driver events) never RAISE."""
     if start_failures >= knobs.START_FAILURE_LIMIT:
         return Decision.RAISE
-    if failure.kind == "preemption":
+    if failure.kind is FailureKind.PREEMPTION:
         if max_preemption_failures == -1:
             return Decision.RETRY
         return Decision.RETRY if preemptions(state) <= max_preemption_failures else Decision.RAISE
@@ -55,8 +55,8 @@ def final_error(
             f"{describe(recent[-start_failures:])}",
             [f.model_dump(mode="json") for f in recent],
         )
-    if failure.kind == "preemption":
-        count, listed = preemptions(state), [f for f in recent if f.kind == "preemption"]
+    if failure.kind is FailureKind.PREEMPTION:
+        count, listed = preemptions(state), [f for f in recent if f.kind is FailureKind.PREEMPTION]
         budget = f"max_preemption_failures={config.max_preemption_failures}"
     else:
         count, listed = state.charged_failures, [f for f in recent if f.charged]
@@ -67,7 +67,7 @@ def final_error(
         f"Failures:\n{describe(listed)}"
     )
     recorded = [f.model_dump(mode="json") for f in recent]
-    if failure.kind == "preemption":
+    if failure.kind is FailureKind.PREEMPTION:
         return TrainingFailedError(message, recorded)
     return WorkerGroupError(message, worker_failures(state.failures, failure.attempt), recorded)
 
@@ -84,7 +84,7 @@ def worker_failures(failures: list[FailureRecord], attempt: int) -> dict[int, Ra
 
 
 def preemptions(state: RunState) -> int:
-    return sum(f.kind == "preemption" for f in state.failures[state.budget_start :])
+    return sum(f.kind is FailureKind.PREEMPTION for f in state.failures[state.budget_start :])
 
 
 def retries_left(state: RunState, max_failures: int) -> int:
@@ -107,7 +107,9 @@ def driver_restarts_spent(state: RunState, config: FailureConfig) -> TrainingFai
     since the budget was last reset (a rerun of a failed run resets it) exceed
     `max_driver_restarts`; else None. Counted from the run state, not from what Prefect
     remembers of its flow runs, so that no rerun loop outlives it."""
-    crashes = [f for f in state.failures[state.budget_start :] if f.kind == "driver_crash"]
+    crashes = [
+        f for f in state.failures[state.budget_start :] if f.kind is FailureKind.DRIVER_CRASH
+    ]
     budget = config.max_driver_restarts
     if budget == -1 or len(crashes) <= budget:
         return None

@@ -194,5 +194,22 @@ class CheckpointManager:
             self.storage.delete_dir(f"{self.store.name}/{name}")
         return orphans
 
+    def drop_damaged(self, state: RunState) -> CheckpointEntry | None:
+        """The latest checkpoint is damaged (its files do not match its manifest): drop it
+        from the run, so that the next group restores from the newest checkpoint before it;
+        that one, or None (nothing changed) when the head keeps no earlier one.
+
+        Crash ordering: only the run state in memory changes; the caller saves it with the
+        failure that says why. A crash before that leaves the damaged checkpoint referenced,
+        and the next restore finds it damaged again and drops it then. Its directory, once no
+        saved state references it, is left to the orphan sweep (`collect_orphans`)."""
+        earlier = [c for c in state.checkpoints if c.dir_name != state.latest]
+        if not earlier:
+            return None
+        previous = max(earlier, key=lambda c: c.report_index)
+        state.checkpoints = earlier
+        state.latest, state.report_index = previous.dir_name, previous.report_index
+        return previous
+
     def latest_uri(self, state: RunState) -> str | None:
         return self.storage.uri(f"{self.store.name}/{state.latest}") if state.latest else None

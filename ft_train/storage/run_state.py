@@ -22,6 +22,7 @@ drop the chunk count on its next write and then delete the sealed checkpoints as
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -44,15 +45,21 @@ INDEX_DIR = "checkpoint_index"
 # writes back a head of at most this many entries, whatever the run's length.
 INDEX_CHUNK = 128
 
-FailureKind = Literal[
-    "exception",  # the training function raised on a rank
-    "process_death",  # a rank's worker process died (SIGKILL, OOM, os._exit)
-    "node_loss",  # the scheduler removed a rank's worker
-    "preemption",
-    "hang",
-    "driver_interrupt",  # Ctrl+C / SIGTERM of the flow process: not charged
-    "driver_crash",  # the previous driver vanished (SIGKILL): not charged
-]
+
+class FailureKind(enum.StrEnum):
+    """What ended an attempt (`FailureRecord.kind`). A str enum, stored as its value: the run
+    states written when kinds were plain strings read back as members, and a member compares
+    equal to its string."""
+
+    EXCEPTION = "exception"  # the training function raised on a rank
+    PROCESS_DEATH = "process_death"  # a rank's worker process died (SIGKILL, OOM, os._exit)
+    NODE_LOSS = "node_loss"  # the scheduler removed a rank's worker
+    PREEMPTION = "preemption"  # its workers were told to leave: charged to its own budget
+    HANG = "hang"  # no report() within hang_timeout_s, or the rank a collective waited for
+    DRIVER_INTERRUPT = "driver_interrupt"  # Ctrl+C / SIGTERM of the flow process: not charged
+    DRIVER_CRASH = "driver_crash"  # the previous driver vanished (SIGKILL): not charged
+
+
 RunStatus = Literal["running", "finished", "failed", "interrupted"]
 
 

@@ -26,6 +26,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from ..errors import SessionError
+
 
 class InjectedFault(RuntimeError):
     """The exception a "raise" fault throws."""
@@ -41,7 +43,11 @@ def _hand_over_reports() -> None:
     `rank.DaskSender`), so that when the test acts the driver has every report the rank made."""
     from ..worker import session
 
-    flush = getattr(getattr(session._session, "send", None), "flush", None)
+    try:
+        send = session.current_session().send
+    except SessionError:  # not inside a rank: nothing queued
+        return
+    flush = getattr(send, "flush", None)
     if flush is not None:
         flush()
 

@@ -1,10 +1,10 @@
 """The controller's transitions, one at a time, with a fake cluster (tests/fake_cluster.py): no
 Dask, no torch. The run state, its store and the checkpoint manager are the real ones, on a
-local directory. The test plays the ranks by putting their events on the controller's queue."""
+local directory. The test plays the ranks by putting their events on the controller's queue.
+Time is a fake clock's (tests/fake_clock.py): it moves only when the controller would wait, so
+every deadline here is the real knob's, and no test waits for one."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -16,7 +16,6 @@ from ft_train.controller import (
     Draining,
     Errored,
     Finished,
-    GroupPlan,
     Preempting,
     Resizing,
     Restarting,
@@ -27,9 +26,10 @@ from ft_train.protocol import Report, Reported
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
-from tests.fake_cluster import FakeCluster
+from tests.fake_clock import FakeClock
+from tests.fake_cluster import FakeCluster, fake_plan
 
-pytestmark = pytest.mark.timeout(10)  # a step with no event to wait for would block
+pytestmark = pytest.mark.timeout(10)
 
 
 class Recorder(Callback):
@@ -49,13 +49,6 @@ class Recorder(Callback):
         self.calls.append(("end", state.status))
 
 
-@pytest.fixture(autouse=True)
-def quick_judgements(monkeypatch):
-    """The controller's waits, at test speed (the knobs the real runs use are seconds)."""
-    monkeypatch.setattr(knobs, "COLLATERAL_WAIT_S", 0.02)
-    monkeypatch.setattr(knobs, "NOTICE_SLACK_S", 0.0)
-
-
 @pytest.fixture
 def make(tmp_path):
     def make(workers=3, ranks=2, **failure) -> tuple[Controller, FakeCluster, Recorder]:
@@ -63,19 +56,7 @@ def make(tmp_path):
         store = RunStore(storage, "run")
         state = RunState(name="run")
         cfg = ft_train.CheckpointConfig(**failure.pop("checkpoint", {}))
-        plan = GroupPlan(
-            train_loop="x:y",
-            config={},
-            name="run",
-            storage=storage,
-            min_workers=min(ranks, failure.pop("min_workers", ranks)),
-            max_workers=ranks,
-            use_gpu=False,
-            start_timeout_s=1.0,
-            collective_timeout_s=1800.0,
-            agreement_interval_s=0.0,
-            elastic_wait_s=0.0,
-        )
+        plan = fake_plan(storage, ranks=ranks, min_workers=failure.pop("min_workers", None))
         cluster, recorder = FakeCluster(workers), Recorder()
         failure.setdefault("hang_timeout_s", None)
         ctl = Controller(
@@ -87,6 +68,7 @@ def make(tmp_path):
             ft_train.FailureConfig(**failure),
             log=lambda msg: None,
             callbacks=[recorder],
+            clock=FakeClock(),
         )
         return ctl, cluster, recorder
 
@@ -96,7 +78,7 @@ def make(tmp_path):
 def go(ctl: Controller, steps: int = 1):
     """Make `steps` transitions; the last state."""
     for _ in range(steps):
-        ctl._set_state(ctl.step())
+        ctl.step()
     return ctl.current
 
 
@@ -178,13 +160,14 @@ def test_ranks_that_reported_unequally_end_the_run_at_once(make):
     assert ctl.state.status == "failed" and not ctl.state.failures
 
 
-def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make, monkeypatch):
-    monkeypatch.setattr(knobs, "REPORT_DRAIN_TIMEOUT_S", 0.05)
+def test_reports_that_never_arrive_after_the_ranks_returned_fail_the_group(make):
     ctl, _, _ = make(max_failures=1)
     started(ctl).returned(reports=3)
+    began = ctl.clock.monotonic()
     with pytest.raises(AttemptFailed, match="never reached the driver"):
         ctl.run_segment()
     assert ctl.state.failures[-1].kind == "exception"
+    assert ctl.clock.monotonic() - began == knobs.REPORT_DRAIN_TIMEOUT_S
 
 
 # -- failures and what they are charged to ------------------------------------------------------
@@ -295,14 +278,15 @@ def test_the_watchdog_counts_from_the_rank_heard_from_least_recently(make):
     ctl, _, _ = make(max_failures=1, hang_timeout_s=1.0)
     group = started(ctl).joined(0, 1)
     go(ctl, 2)
-    time.sleep(0.7)
+    ctl.clock.advance(0.7)
     group.report(1, ranks=[0])  # rank 0, heard from first, is heard from again
     go(ctl)
-    began = time.monotonic()
+    began = ctl.clock.monotonic()
     with pytest.raises(AttemptFailed, match="hang"):
         ctl.run_segment()
     assert ctl.state.failures[-1].rank == 1
-    assert time.monotonic() - began < 0.65  # rank 1's 1 s ran out ~0.3 s after rank 0's report
+    # rank 1's 1 s ran out 0.3 s after rank 0's report (counted from rank 0, 1 s after it)
+    assert ctl.clock.monotonic() - began == pytest.approx(0.3)
 
 
 def test_the_budget_spent_ends_the_run_naming_the_setting(make):
@@ -414,9 +398,9 @@ def test_an_async_upload_that_never_finished_leaves_its_round_uncommitted(make):
 
 def test_a_notice_then_a_just_in_time_checkpoint_restarts_elsewhere_uncharged(make):
     ctl, _, _ = make()
-    group = started(ctl).notice(1, deadline=time.time() + 60)
+    group = started(ctl).notice(1, deadline=ctl.clock.time() + 60)
     assert isinstance(go(ctl), Preempting)
-    group.preempted_at(1, leaving=(1,), deadline=time.time() + 60, checkpoint=True)
+    group.preempted_at(1, leaving=(1,), deadline=ctl.clock.time() + 60, checkpoint=True)
     segment = ctl.run_segment()  # the JIT checkpoint ends the segment; no error
     assert segment.kind == "checkpoint" and isinstance(ctl.current, Restarting)
     failure = ctl.state.failures[-1]
@@ -427,7 +411,7 @@ def test_a_notice_then_a_just_in_time_checkpoint_restarts_elsewhere_uncharged(ma
 
 def test_a_notice_that_runs_out_without_a_checkpoint_restarts_at_once(make):
     ctl, _, _ = make(workers=4)
-    started(ctl).notice(0, deadline=time.time() - 1)
+    started(ctl).notice(0, deadline=ctl.clock.time() - 1)
     go(ctl)
     assert isinstance(go(ctl), Restarting)  # the deadline has passed
     assert "no checkpoint was saved in time" in ctl.state.failures[-1].error
@@ -458,6 +442,36 @@ def test_a_damaged_latest_checkpoint_is_dropped_and_the_one_before_restored(make
     assert isinstance(ctl.current, Restarting) and ctl.state.latest == kept
     assert damaged not in [c.dir_name for c in ctl.state.checkpoints]
     assert not ctl.state.failures[-1].charged
+
+
+def test_a_damaged_latest_checkpoint_with_none_before_it_is_a_charged_failure(make):
+    ctl, _, _ = make(max_failures=1, checkpoint={"num_to_keep": 1})
+    group = started(ctl).report(1, checkpoint=True)
+    ctl.run_segment()
+    latest = ctl.state.latest
+    damaged = ctl.manager.latest_uri(ctl.state)
+    group.raised(0, "CheckpointDamagedError: sha256 differs", step=1, damaged=damaged)
+    with pytest.raises(AttemptFailed, match="no earlier checkpoint is kept"):
+        ctl.run_segment()
+    assert ctl.state.latest == latest and ctl.state.failures[-1].charged
+
+
+def test_an_unusable_snapshot_round_is_passed_over_uncharged(make):
+    ctl, cluster, _ = make(max_failures=1, workers=6)
+    group = started(ctl)
+    cluster.snapshots = [held(group.attempt_id, rank, 5) for rank in (0, 1)]
+    group.raised(0, "boom", step=6)
+    with pytest.raises(AttemptFailed):
+        ctl.run_segment()
+    restored = started(ctl)
+    assert restored.snapshot is not None and restored.started_from == (None, 5)
+    restored.raised(
+        1, "SnapshotError: piece gone", step=5, damaged=f"snapshot://{group.attempt_id}/5"
+    )
+    go(ctl)
+    assert isinstance(ctl.current, Restarting) and not ctl.state.failures[-1].charged
+    assert "from an older snapshot or from storage" in ctl.state.failures[-1].error
+    assert started(ctl).snapshot is None  # the round is not taken again
 
 
 def test_an_elastic_group_with_workers_to_spare_resizes_after_a_checkpoint(make):
