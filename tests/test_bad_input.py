@@ -25,7 +25,7 @@ from ft_train.storage.checkpoint import MANIFEST
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import STATE_FILE, RunState, RunStore
-from tests.conftest import StorageTarget, make_s3_target
+from tests.conftest import StorageTarget, make_s3_target, moto_checks_credentials
 from tests.helpers import fresh, load_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -215,21 +215,6 @@ def test_a_missing_bucket_is_refused_naming_it(s3_endpoint):
     ):
         train(missing)
     assert tree(missing) == {}
-
-
-@contextlib.contextmanager
-def moto_checks_credentials():
-    """The loopback S3 endpoint checks access keys within the block (moto accepts any key
-    unless told to check them); it knows none, so every key is wrong."""
-    from moto import settings
-    from moto.core.responses import ActionAuthenticatorMixin
-
-    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
-    settings.INITIAL_NO_AUTH_ACTION_COUNT = ActionAuthenticatorMixin.request_count = 0
-    try:
-        yield
-    finally:
-        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
 
 
 def test_wrong_s3_credentials_are_refused_naming_storage_options(s3_endpoint):

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-from datetime import timedelta
 
 import psutil
 import pytest
@@ -22,9 +21,9 @@ from cli import main as cli
 from ft_train.driver import prepare as driver_prepare
 from ft_train.driver.lease import LEASE_FILE, LeaseDoc, RunLease
 from ft_train.errors import RunLockedError
-from ft_train.storage.run_state import STATE_FILE, RunState, RunStore, now
+from ft_train.storage.run_state import STATE_FILE, RunState, RunStore
 from tests.conftest import on_storage
-from tests.helpers import fresh, wait_for
+from tests.helpers import foreign_lease, fresh, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,27 +41,6 @@ def prepare(target, name: str, holder: str = "") -> driver_prepare.RunPlan:
         log=lambda msg: None,
         holder=holder,
     )
-
-
-def foreign_lease(
-    target, name: str, ttl_s: float, renewals: int = 0, age_s: float = 0.0
-) -> LeaseDoc:
-    """Write the lease of a driver on another machine, last renewed `age_s` ago."""
-    at = now() - timedelta(seconds=age_s)
-    doc = LeaseDoc(
-        owner="elsewhere-owner",
-        machine="another-machine",
-        host="node-7",
-        pid=4242,
-        pid_started=1.0,
-        holder="flow run 'nightly' (x)",
-        ttl_s=ttl_s,
-        acquired_at=at,
-        renewed_at=at,
-        renewals=renewals,
-    )
-    fresh(target).write_atomic(f"{name}/{LEASE_FILE}", doc.model_dump_json().encode())
-    return doc
 
 
 def read_lease(target, name: str) -> LeaseDoc:
