@@ -3,9 +3,10 @@ against a local path and the loopback S3 endpoint (the `storage` fixture).
 
 Each test drives the real write path without Dask (`tests/write_path.py`): ranks are `Session`s
 whose messages are collected with `send=list.append`, consolidated by the controller's
-`ReportRounds`, and committed by `CheckpointManager`. Faults come from `FaultyStorage`, a real `Storage` that records every
-mutating call and raises `Crash` in place of the k-th one: a crash of the process at that point.
-After a crash, a fresh `Storage` and `RunStore` play the rerun: they see only what reached storage.
+`ReportRounds`, and committed by `CheckpointManager`. Faults come from `FaultyStorage`, a real
+`Storage` that records every mutating call and raises `Crash` in place of the k-th one: a crash of
+the process at that point. After a crash, a fresh `Storage` and `RunStore` play the rerun: they
+see only what reached storage.
 """
 
 from __future__ import annotations
