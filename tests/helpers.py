@@ -157,6 +157,25 @@ def foreign_lease(
     return doc
 
 
+def noop_train_loop(config: dict) -> None:
+    """An importable train_loop for runs that never call it (`prepare_noop`)."""
+
+
+def prepare_noop(target, name: str, holder: str = ""):
+    """What a driver does before its ranks start (`prepare_run`: lease, run state, orphan sweep)
+    for the run `name` on a test's storage target, of a train_loop never called."""
+    from ft_train.driver import prepare
+
+    return prepare.prepare_run(
+        f"{__name__}:noop_train_loop",
+        {},
+        ft_train.ScalingConfig(),
+        ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options),
+        log=lambda msg: None,
+        holder=holder,
+    )
+
+
 def deployment(name: str) -> dict[str, Any]:
     """The deployment `name` of the repository's prefect.yaml, as YAML data."""
     project = yaml.safe_load((Path(REPO) / "prefect.yaml").read_text())

@@ -5,7 +5,7 @@ a contract broken inside a rank ends the run at once, even with max_failures=3).
 
 Most cases fail before a cluster starts (the flow's parameters are checked before Prefect starts a
 flow run); the few that must run ranks use tiny loops from `tests.loops` on a local cluster.
-`tests/test_config.py` covers the config models on their own; here they come through the flow,
+`tests/unit/test_config.py` covers the config models on their own; here they come through the flow,
 as a deployment's parameters or a Python call's would.
 """
 

@@ -234,11 +234,6 @@ def test_a_broadcast_that_does_not_pickle_fails_every_rank_without_a_hang():
     assert "could not be pickled" in seen[1]["error"], seen
 
 
-def test_the_collectives_outside_a_training_function_say_where_they_work():
-    with pytest.raises(ft_train.SessionError, match="inside a training function"):
-        ft_train.collective.barrier()
-
-
 # -- through the flow: a worker retired mid-run ------------------------------------------------
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import random
 from collections import Counter
 from typing import Any
 
@@ -27,13 +25,12 @@ from ft_train.controller.rounds import ReportRounds
 from ft_train.driver import prepare
 from ft_train.errors import StorageError
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
-from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import (
     INDEX_DIR,
     SCHEMA_VERSION,
     STATE_FILE,
-    CheckpointEntry,
     RunState,
     RunStore,
 )
@@ -188,15 +185,6 @@ def test_checkpoint_directory_never_mixes_attempts(storage, tmp_path):
     assert restore(storage, name, dir_b, tmp_path) == merged(files_b)
 
 
-def test_same_attempt_number_from_another_driver_gets_another_directory():
-    """A driver killed before it recorded its attempt: the next one reuses the attempt number,
-    never the directory (the attempt id differs)."""
-    first = checkpoint_dir_name(5, 0, "3f2a" * 8)
-    second = checkpoint_dir_name(5, 0, "9c1e" * 8)
-    assert first != second
-    assert checkpoint_dir_name(5, 0, ATTEMPT_0) != checkpoint_dir_name(5, 1, ATTEMPT_0)
-
-
 # -- invariant 4: retention keeps the latest, and deletes only what the state no longer references -
 
 
@@ -252,43 +240,6 @@ def test_retention_deletes_only_after_the_run_state_stops_referencing(storage, t
         assert_references_restorable(storage, name, saved, tmp_path)
         # After a crash: an orphan directory, never a reference to a deleted one.
         assert (first in stored_names(storage, name)) == (crash_at is not None)
-
-
-@pytest.mark.parametrize("order", ["max", "min"])
-@pytest.mark.parametrize("num_to_keep", [1, 2, 3])
-def test_retained_keeps_the_latest_and_the_best(order, num_to_keep):
-    """Property check of `retained` over random histories (seeded): the latest is always kept,
-    at most num_to_keep others, and nothing dropped outranks a kept non-latest checkpoint."""
-    rng = random.Random(f"{order}-{num_to_keep}")
-    cfg = CheckpointConfig(
-        num_to_keep=num_to_keep, checkpoint_score_attribute="score", checkpoint_score_order=order
-    )
-
-    def goodness(e: CheckpointEntry) -> float:
-        v = e.metrics.get("score")
-        if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-            return -math.inf  # missing, NaN (stored as the string "nan") rank worst
-        return v if order == "max" else -v
-
-    for _ in range(200):
-        entries: list[CheckpointEntry] = []
-        for i in range(1, rng.randint(1, 8) + 1):
-            metrics = rng.choice(
-                [{"score": rng.choice([0.1, 0.5, 0.9, rng.random()])}, {}, {"score": "nan"}]
-            )
-            entries.append(CheckpointEntry(dir_name=f"c{i}", report_index=i, metrics=metrics))
-            latest = entries[-1].dir_name
-            kept = retained(entries, latest, cfg)
-            assert latest in kept
-            assert kept == [e.dir_name for e in entries if e.dir_name in kept]  # commit order
-            others = [e for e in entries if e.dir_name in kept and e.dir_name != latest]
-            assert len(others) <= num_to_keep
-            dropped = [e for e in entries if e.dir_name not in kept]
-            if dropped:
-                assert len(kept) >= num_to_keep
-                worst_kept = min(goodness(e) for e in others) if others else math.inf
-                assert all(goodness(d) <= worst_kept for d in dropped)
-            entries = [e for e in entries if e.dir_name in kept]
 
 
 # -- invariant 5: a rerun finds its state in O(1) reads, not by listing ----------------------------
