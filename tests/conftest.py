@@ -2,6 +2,7 @@
 `storage` fixture that runs every storage-touching test against a local path and against s3://.
 """
 
+import contextlib
 import os
 import tempfile
 import uuid
@@ -72,6 +73,21 @@ def s3_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@contextlib.contextmanager
+def moto_checks_credentials():
+    """The loopback S3 endpoint checks access keys within the block (moto accepts any key
+    unless told to check them); it knows none, so every key is wrong."""
+    from moto import settings
+    from moto.core.responses import ActionAuthenticatorMixin
+
+    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = ActionAuthenticatorMixin.request_count = 0
+    try:
+        yield
+    finally:
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
 
 
 @dataclass

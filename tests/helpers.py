@@ -1,4 +1,6 @@
-"""Helpers for the integration tests: run the demo flow, read stored state, wait on it."""
+"""Helpers the test modules share: run the demo flow, read stored state, wait on it, write a
+foreign driver's lease, read prefect.yaml. A test module imports these from here, never from
+another test module (`tests/unit/test_quick_lane.py` checks)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,18 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 import ft_train
 from deployments import demo
+from ft_train.driver.lease import LEASE_FILE, LeaseDoc
 from ft_train.storage.fs import Storage
-from ft_train.storage.run_state import RunState, RunStore
+from ft_train.storage.run_state import RunState, RunStore, now
 
 DEMO = demo.TRAIN_LOOP
 REPO = str(Path(__file__).resolve().parents[1])
@@ -128,3 +134,50 @@ def run_killed(script: str, args: dict) -> subprocess.CompletedProcess:
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     return proc
+
+
+def foreign_lease(
+    target, name: str, ttl_s: float, renewals: int = 0, age_s: float = 0.0
+) -> LeaseDoc:
+    """Write the lease of a driver on another machine, last renewed `age_s` ago."""
+    at = now() - timedelta(seconds=age_s)
+    doc = LeaseDoc(
+        owner="elsewhere-owner",
+        machine="another-machine",
+        host="node-7",
+        pid=4242,
+        pid_started=1.0,
+        holder="flow run 'nightly' (x)",
+        ttl_s=ttl_s,
+        acquired_at=at,
+        renewed_at=at,
+        renewals=renewals,
+    )
+    fresh(target).write_atomic(f"{name}/{LEASE_FILE}", doc.model_dump_json().encode())
+    return doc
+
+
+def noop_train_loop(config: dict) -> None:
+    """An importable train_loop for runs that never call it (`prepare_noop`)."""
+
+
+def prepare_noop(target, name: str, holder: str = ""):
+    """What a driver does before its ranks start (`prepare_run`: lease, run state, orphan sweep)
+    for the run `name` on a test's storage target, of a train_loop never called."""
+    from ft_train.driver import prepare
+
+    return prepare.prepare_run(
+        f"{__name__}:noop_train_loop",
+        {},
+        ft_train.ScalingConfig(),
+        ft_train.RunConfig(name=name, storage_path=target.path, storage_options=target.options),
+        log=lambda msg: None,
+        holder=holder,
+    )
+
+
+def deployment(name: str) -> dict[str, Any]:
+    """The deployment `name` of the repository's prefect.yaml, as YAML data."""
+    project = yaml.safe_load((Path(REPO) / "prefect.yaml").read_text())
+    (found,) = [d for d in project["deployments"] if d["name"] == name]
+    return found

@@ -173,3 +173,75 @@ def kill_driver(config):
         os.kill(lease.pid, signal.SIGKILL)
     threading.Event().wait(60)  # the driver's processes go with it; never report again
     os._exit(1)
+
+
+def fsdp_dcp(config):
+    """An FSDP2 model trained with AdamW, each step's batch drawn from the step number; every
+    `every` steps each rank saves its shard with `save_sharded` into its own directory and
+    attaches it, with its local shards as plain tensors (`expect-{rank}.pt`) to compare with.
+    A restore loads the checkpoint into a model initialised differently and reports whether the
+    shards it got equal the saved ones, bit for bit."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ft_train.testing.faults import maybe_inject
+
+    rank = ft_train.get_context().get_world_rank()
+    torch.manual_seed(1 if ft_train.get_checkpoint() else 0)  # a restore must not rely on it
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = ft_train.torch.prepare_model(net, parallel_strategy="fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step, exact = 0, None
+    if (checkpoint := ft_train.get_checkpoint()) is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd, "step": torch.tensor(0)}
+        with checkpoint.as_directory() as d:
+            ft_train.torch.load_sharded(state, d)
+            expect = torch.load(os.path.join(d, f"expect-{rank}.pt"))
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        step = int(state["step"])
+        exact = local_shards(get_state_dict(model, optimizer)) == {
+            k: v.tolist() for k, v in expect.items()
+        }
+    while step < config["steps"]:
+        maybe_inject(config.get("faults"), rank, step)
+        batch = torch.Generator().manual_seed(step * 2 + rank)
+        x, y = torch.randn(16, 8, generator=batch), torch.randn(16, 4, generator=batch)
+        device = ft_train.torch.get_device()  # cuda on a GPU run (tests/test_gpu.py)
+        loss = ((model(x.to(device)) - y.to(device)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        metrics = {"step": step, "restored_exact": exact, "params": params(model)}
+        if step % config["every"]:
+            ft_train.report(metrics)
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            msd, osd = get_state_dict(model, optimizer)
+            ft_train.torch.save_sharded({"model": msd, "optim": osd, "step": torch.tensor(step)}, d)
+            shards = {k: torch.tensor(v) for k, v in local_shards((msd, osd)).items()}
+            torch.save(shards, os.path.join(d, f"expect-{rank}.pt"))
+            ft_train.report(metrics, checkpoint=ft_train.Checkpoint.from_directory(d))
+
+
+def local_shards(state_dicts) -> dict:
+    """This rank's shard of every tensor in (model, optimizer) state dicts, as lists."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    msd, osd = state_dicts
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for p, s in osd["state"].items():
+        flat.update({f"optim.{p}.{k}": v for k, v in s.items()})
+    for k, v in flat.items():
+        v = v.to_local() if isinstance(v, DTensor) else v
+        out[k] = v.detach().cpu().reshape(-1).tolist() if hasattr(v, "detach") else v
+    return out
+
+
+def params(model) -> list:
+    """The full parameters (every rank's shards), as exact float lists."""
+    return [p.full_tensor().detach().reshape(-1).tolist() for p in model.parameters()]

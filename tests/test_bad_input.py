@@ -5,7 +5,7 @@ a contract broken inside a rank ends the run at once, even with max_failures=3).
 
 Most cases fail before a cluster starts (the flow's parameters are checked before Prefect starts a
 flow run); the few that must run ranks use tiny loops from `tests.loops` on a local cluster.
-`tests/test_config.py` covers the config models on their own; here they come through the flow,
+`tests/unit/test_config.py` covers the config models on their own; here they come through the flow,
 as a deployment's parameters or a Python call's would.
 """
 
@@ -25,7 +25,7 @@ from ft_train.storage.checkpoint import MANIFEST
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import STATE_FILE, RunState, RunStore
-from tests.conftest import StorageTarget, make_s3_target
+from tests.conftest import StorageTarget, make_s3_target, moto_checks_credentials
 from tests.helpers import fresh, load_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -215,21 +215,6 @@ def test_a_missing_bucket_is_refused_naming_it(s3_endpoint):
     ):
         train(missing)
     assert tree(missing) == {}
-
-
-@contextlib.contextmanager
-def moto_checks_credentials():
-    """The loopback S3 endpoint checks access keys within the block (moto accepts any key
-    unless told to check them); it knows none, so every key is wrong."""
-    from moto import settings
-    from moto.core.responses import ActionAuthenticatorMixin
-
-    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
-    settings.INITIAL_NO_AUTH_ACTION_COUNT = ActionAuthenticatorMixin.request_count = 0
-    try:
-        yield
-    finally:
-        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
 
 
 def test_wrong_s3_credentials_are_refused_naming_storage_options(s3_endpoint):

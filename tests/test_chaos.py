@@ -34,11 +34,8 @@ import pytest
 import torch
 
 import ft_train
-from ft_train.worker.rank import free_port
-from tests.helpers import DEMO, load_state, train_demo, wait_for
-
-REPO = str(Path(__file__).resolve().parents[1])
-DASK = str(Path(sys.executable).parent / "dask")
+from tests.external_clusters import FORK_WARM_WORKERS, NannyCluster
+from tests.helpers import DEMO, REPO, load_state, train_demo, wait_for
 
 # 2 ranks x 750 images / batch 64 = 12 steps an epoch; 4 epochs = 48 steps
 CONFIG = {"epochs": 4, "checkpoint_every": 3, "batch_size": 64, "seed": 0}
@@ -48,30 +45,6 @@ GATE_TIMEOUT_S = 300  # bound on waiting for a rank to reach a gate (restarts in
 # Workers per cluster: 2 ranks and spares. Every fault costs a worker (a failed or hung rank's
 # process is killed; its nanny starts a new one); spares keep the run going meanwhile.
 WORKERS = 4
-# Nannies fork their worker processes from a server that imported these once: a new worker is
-# warm in ~0.2 s instead of ~4 CPU-seconds of imports each (2 cores, 30+ worker starts), and no
-# rank spends its hang watchdog's window importing what DDP loads on first use (torch._dynamo)
-# or what the demo imports when it loads its data (sklearn.datasets).
-WARM_MODULES = ["distributed", "ft_train.examples.digits", "sklearn.datasets", "torch._dynamo"]
-FORK_WARM_WORKERS = f"""
-import dask
-from distributed.utils import get_mp_context
-dask.config.set({{"distributed.worker.multiprocessing-method": "forkserver"}})
-get_mp_context().set_forkserver_preload({WARM_MODULES!r})
-"""
-NANNY = (
-    FORK_WARM_WORKERS
-    + """
-import asyncio, sys
-from distributed import Nanny
-
-async def main():
-    async with Nanny(sys.argv[1], name=sys.argv[2], nthreads=1, host="127.0.0.1") as nanny:
-        await nanny.finished()
-
-asyncio.run(main())
-"""
-)
 # A LocalCluster closes for good a nanny whose worker is not back when 15 s (this setting) have
 # passed since an earlier loss of it: with repeated kills of one worker it shrinks until no rank
 # can start. ft_train.driver.cluster does not set it (yet).
@@ -214,89 +187,11 @@ def timeline() -> tuple[list[Expected], list[int]]:
 # -- the clusters and drivers --------------------------------------------------------------------
 
 
-class ExternalCluster:
-    """A `dask scheduler` and worker nodes on loopback: each node a process group of a nanny (see
-    NANNY) and its worker. Killing a node's process group takes it away for good."""
-
-    def __init__(self, tmp_path: Path):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.tmp_path = tmp_path
-        self.env = dict(os.environ, PYTHONPATH=REPO, DASK_DISTRIBUTED__WORKER__DAEMON="False")
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.client = None
-        port = self.address.rsplit(":", 1)[1]
-        self._start(
-            "scheduler",
-            [DASK, "scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard"],
-        )
-
-    def _start(self, name: str, cmd: list[str]) -> None:
-        log = open(self.tmp_path / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(
-            cmd,
-            env=self.env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def add_node(self, prefix: tuple[str, ...] = ()) -> str:
-        """A node; `prefix`: a command that runs it (in a namespace of its own, say)."""
-        name = f"w{len(self.procs) - 1}"
-        self._start(name, [*prefix, sys.executable, "-c", NANNY, self.address, name])
-        return name
-
-    def connect(self) -> None:
-        """Wait for the scheduler and every node started so far."""
-        from distributed import Client
-
-        names = [n for n in self.procs if n != "scheduler"]
-        self.client = Client(self.address, timeout=60, set_as_default=False)
-        wait_for(lambda: set(names) <= set(self.workers().values()), 120, f"workers {names}")
-
-    def workers(self) -> dict[str, str]:
-        """address -> name of the workers the scheduler knows now."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        return {a: str(w["name"]) for a, w in info.items()}
-
-    def running(self, key: str) -> str:
-        """The address of the worker that runs the task `key`."""
-        return {k: a for a, keys in self.client.processing().items() for k in keys}[key]
-
-    def take_away(self, address: str, replace: bool = True) -> None:
-        """Kill the node of the worker at `address`, and start a replacement node."""
-        nanny = self.procs[self.workers()[address]]
-        # The nanny first, so that it is gone once the scheduler sees its worker go: a lost
-        # worker whose nanny still answers is a process death, not a lost node.
-        nanny.kill()
-        nanny.wait()
-        try:
-            os.killpg(nanny.pid, signal.SIGKILL)  # the worker (and fork server) left in its group
-        except ProcessLookupError:
-            pass  # they already left with the nanny
-        if replace:
-            self.add_node()
-
-    def sigterm(self, address: str) -> None:
-        """What a cloud does to a preempted machine's processes: SIGTERM to the worker."""
-        pid = self.client.run(os.getpid, workers=[address])[address]
-        os.kill(pid, signal.SIGTERM)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
 @dataclass
 class Chaos:
     """What a gate's action may act on."""
 
-    cluster: ExternalCluster
+    cluster: NannyCluster
     storage: object
     name: str
 
@@ -407,7 +302,7 @@ def storage(s3_endpoint):
 
 @pytest.fixture
 def external_cluster(tmp_path):
-    cluster = ExternalCluster(tmp_path)
+    cluster = NannyCluster(tmp_path)
     try:
         for _ in range(WORKERS):
             cluster.add_node()

@@ -47,9 +47,8 @@ from ft_train.storage.checkpoint_manager import (
 from ft_train.storage.fs import DUPLICATES, Storage, local_files
 from ft_train.storage.run_state import RunStore
 from ft_train.worker.session import Session
-from tests.test_storage_invariants import commit_round, rank_spec, write_tree
+from tests.write_path import NOOP, commit_round, rank_spec, write_tree
 
-NOOP = "tests.test_storage_invariants:noop_train_loop"
 INDEX_CHUNK = 2  # so that runs with num_to_keep=None seal index chunks within a few saves
 
 # -- crash injection --------------------------------------------------------------------------------

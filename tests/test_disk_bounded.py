@@ -33,7 +33,7 @@ from ft_train.worker.snapshots import RESTORED, RankSnapshots
 from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
 from tests.helpers import run_killed
-from tests.test_storage_invariants import commit_round, rank_spec, write_tree
+from tests.write_path import commit_round, rank_spec, write_tree
 
 FILE_BYTES = 4096  # two files a checkpoint: 8 KiB
 

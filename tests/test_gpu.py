@@ -127,7 +127,7 @@ def test_fsdp_with_sharded_checkpoints_on_gpu(tmp_path):
     n = min(2, torch.cuda.device_count())
     config = {"steps": 8, "every": 3, "faults": [fault(tmp_path, n - 1, 4)]}
     result = train(
-        train_loop="tests.test_sharded:fsdp_dcp",
+        train_loop="tests.loops:fsdp_dcp",
         train_loop_config=config,
         scaling_config=ft_train.ScalingConfig(num_workers=n, use_gpu=True),
         run_config=ft_train.RunConfig(

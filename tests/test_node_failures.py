@@ -3,103 +3,19 @@ separate `dask worker` processes without nannies: a lost worker is gone for good
 
 import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from distributed import Client
 
 import ft_train
 from ft_train.knobs import AGREE_EVERY_MAX
-from ft_train.worker.rank import free_port
 from tests.conftest import StorageTarget, on_storage
-from tests.helpers import DEMO, demo_config, fault, load_state, wait_for
-
-REPO = str(Path(__file__).resolve().parents[1])
-DASK = str(Path(sys.executable).parent / "dask")
+from tests.external_clusters import ExternalCluster
+from tests.helpers import demo_config, fault, load_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-
-
-class ExternalCluster:
-    """`dask scheduler` and `dask worker` processes on loopback, as an operator would run them."""
-
-    def __init__(self, tmp_path):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.tmp_path = tmp_path
-        self.env = dict(os.environ, PYTHONPATH=REPO, DASK_DISTRIBUTED__WORKER__DAEMON="False")
-        self.procs: dict[str, subprocess.Popen] = {}
-        port = self.address.rsplit(":", 1)[1]
-        self._start(
-            "scheduler",
-            [DASK, "scheduler", "--host", "127.0.0.1", "--port", port, "--no-dashboard"],
-        )
-
-    def _start(self, name, cmd):
-        log = open(self.tmp_path / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(
-            cmd,
-            env=self.env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def add_worker(self, name):
-        self._start(
-            name,
-            [
-                DASK,
-                "worker",
-                self.address,
-                "--name",
-                name,
-                "--nthreads",
-                "1",
-                "--no-nanny",
-                "--no-dashboard",
-            ],
-        )
-
-    def workers(self) -> dict[str, str]:
-        """name -> address of the workers the scheduler knows now."""
-        with Client(self.address, timeout=30) as c:
-            return {w["name"]: a for a, w in c.scheduler_info(n_workers=-1)["workers"].items()}
-
-    def wait_workers(self, names):
-        wait_for(lambda: set(names) <= set(self.workers()), 120, f"workers {names}")
-
-    def kill(self, name, sig=signal.SIGKILL):
-        os.killpg(self.procs[name].pid, sig)
-
-    def train(
-        self, storage, name, config=None, *, train_loop=DEMO, scaling=None, preload=(), **failure
-    ):
-        """The ft-train flow on this cluster: the demo on two ranks unless told otherwise;
-        `failure` holds FailureConfig's fields."""
-        from flows.train import train
-
-        return train(
-            train_loop=train_loop,
-            train_loop_config=config,
-            scaling_config=scaling or ft_train.ScalingConfig(num_workers=2),
-            run_config=ft_train.RunConfig(
-                name=name,
-                storage_path=storage.path,
-                storage_options=storage.options,
-                failure_config=ft_train.FailureConfig(**failure),
-            ),
-            cluster=ft_train.ClusterConfig(address=self.address, preload=preload),
-        )
-
-    def close(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
 
 
 @pytest.fixture

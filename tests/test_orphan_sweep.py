@@ -16,7 +16,8 @@ from ft_train.driver import prepare
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.run_state import RunStore
 from tests.helpers import fresh, load_state, run_killed
-from tests.test_storage_invariants import (
+from tests.write_path import (
+    NOOP,
     commit_round,
     merged,
     rank_files,
@@ -26,7 +27,6 @@ from tests.test_storage_invariants import (
     stored_names,
 )
 
-NOOP = "tests.test_storage_invariants:noop_train_loop"
 ATTEMPT_0, ATTEMPT_1 = "0a" * 16, "1b" * 16
 
 # A driver process that commits rounds 1-3 (num_to_keep=2), then crashes in round 4 as a real
@@ -41,7 +41,7 @@ from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.run_state import STATE_FILE
 from ft_train.storage.fs import Storage
-from tests.test_storage_invariants import commit_round, rank_files, report_round
+from tests.write_path import commit_round, rank_files, report_round
 
 class DiesAtCommit(Storage):
     armed = False

@@ -7,7 +7,6 @@ rare periodic checkpoint."""
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import tempfile
@@ -24,9 +23,9 @@ from ft_train.worker import preemption
 from ft_train.worker import session as session_module
 from ft_train.worker.rank import _control_group, free_port
 from ft_train.worker.session import Session
+from tests.external_clusters import ExternalCluster
 from tests.helpers import load_state, wait_for
-from tests.test_node_failures import ExternalCluster
-from tests.test_report_path import spec
+from tests.rank_specs import rank_spec
 
 # -- two ranks in two processes ------------------------------------------------------------------
 
@@ -36,10 +35,14 @@ def _polling_rank(rank: int, port: int, script: str, interval_s: float, out) -> 
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     msgs: list = []
-    rank_spec = dataclasses.replace(
-        spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=interval_s
+    spec = rank_spec(
+        Storage(tempfile.mkdtemp()),
+        rank,
+        2,
+        collective_timeout_s=1800.0,
+        agreement_interval_s=interval_s,
     )
-    session = Session(rank_spec, msgs.append)
+    session = Session(spec, msgs.append)
     session.control = _control_group()
     session_module.install(session)
     seen: dict = {"rank": rank}
@@ -229,11 +232,6 @@ def test_a_broadcast_that_does_not_pickle_fails_every_rank_without_a_hang():
     seen = run_two_ranks("unpicklable_broadcast")
     assert "pickle" in seen[0]["raised"], seen
     assert "could not be pickled" in seen[1]["error"], seen
-
-
-def test_the_collectives_outside_a_training_function_say_where_they_work():
-    with pytest.raises(ft_train.SessionError, match="inside a training function"):
-        ft_train.collective.barrier()
 
 
 # -- through the flow: a worker retired mid-run ------------------------------------------------

@@ -26,7 +26,6 @@ import pytest
 
 import ft_train
 from ft_train.knobs import AGREE_EVERY_MAX
-from ft_train.protocol import RankSpec
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
 from ft_train.storage.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
 from ft_train.storage.fs import Storage, file_digest
@@ -35,57 +34,16 @@ from ft_train.worker.rank import _control_group, free_port
 from ft_train.worker.session import Session
 from ft_train.worker.uploads import Uploads
 from tests.helpers import load_state, wait_for
-from tests.rank_specs import rank_spec
+from tests.uploads import (
+    ATTEMPT_ID,
+    GatedStorage,
+    digest,
+    spec,
+    staged_dirs,
+    write_checkpoint,
+)
 
 REPO = str(Path(__file__).resolve().parents[1])
-ATTEMPT_ID = "c0ffee" + "0" * 26
-
-
-def spec(storage: Storage, rank: int = 0, world: int = 1, name: str = "run") -> RankSpec:
-    return rank_spec(
-        storage, rank, world, name=name, attempt_id=ATTEMPT_ID, collective_timeout_s=1800.0
-    )
-
-
-def write_checkpoint(root, files: dict[str, bytes]) -> str:
-    d = tempfile.mkdtemp(dir=root)
-    for rel, data in files.items():
-        os.makedirs(os.path.dirname(os.path.join(d, rel)), exist_ok=True)
-        with open(os.path.join(d, rel), "wb") as f:
-            f.write(data)
-    return d
-
-
-def digest(data: bytes) -> dict:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-class GatedStorage(Storage):
-    """A real Storage whose uploads wait for `gate` (so a test can hold one in flight) and are
-    counted as they start."""
-
-    def __init__(self, url, options=None):
-        super().__init__(url, options)
-        self.gate, self.started = threading.Event(), []
-
-    def upload_dir(self, local_dir, path, should_stop=None, rank=0):
-        self.started.append(path)
-        assert self.gate.wait(60), "the test never opened the gate"
-        return super().upload_dir(local_dir, path, should_stop, rank)
-
-
-def staged_dirs(root: str) -> list[str]:
-    """Snapshot directories under a staging root (each session's directory holds its own)."""
-    if not os.path.isdir(root):
-        return []
-    return [
-        os.path.join(own, s)
-        for own in Path(root).iterdir()
-        if own.is_dir()
-        for s in os.listdir(own)
-    ]
-
-
 # -- Storage.upload_dir --------------------------------------------------------------------------
 
 
@@ -180,60 +138,6 @@ def test_async_uploads_are_bounded_and_sent_in_order(tmp_path):
     session.close()
 
 
-def test_a_stopped_group_flushes_pending_uploads_and_a_failed_one_drops_them(tmp_path):
-    class GateOpensOnFlush(Uploads):
-        def flush(self, timeout=None):
-            self.storage.gate.set()  # the held upload goes on only once stopped() waits for it
-            return super().flush(timeout)
-
-    def pending(tag: str):
-        """A session with one asynchronous upload held in flight."""
-        st = GatedStorage(str(tmp_path / f"runs-{tag}"))
-        msgs: list = []
-        session = Session(spec(st), msgs.append)
-        staging = str(tmp_path / f"staging-{tag}")
-        session._uploads = GateOpensOnFlush(st, msgs.append, staging_root=staging)
-        local = write_checkpoint(tmp_path, {"w.pt": b"w" * 100})
-        session.report({"i": 1}, Checkpoint.from_directory(local), checkpoint_upload_mode="async")
-        wait_for(lambda: st.started, 30, "the upload to start")
-        return session, st, msgs, staging
-
-    # GroupStop (a resize): the pending upload may finish, so its round can still be committed
-    session, st, msgs, staging = pending("stop")
-    session.stopped()
-    assert [m.index for m in msgs] == [1] and msgs[0].files
-    assert os.listdir(staging) == []
-
-    # a failed group: the pending upload is dropped, never reported, its snapshot removed
-    session, st, msgs, staging = pending("fail")
-    session.close()  # does not wait for the held upload (nor open the gate)
-    st.gate.set()  # the upload resumes, sees that it was dropped, and stops
-    wait_for(lambda: os.path.isdir(staging) and not os.listdir(staging), 30, "the cleanup")
-    assert msgs == []
-
-
-def block_checkpoint_path(storage_root: str, name: str, index: int) -> None:
-    """A real storage fault: a file where the checkpoint's directory must be created."""
-    path = os.path.join(storage_root, name, checkpoint_dir_name(index, 0, ATTEMPT_ID))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    Path(path).write_bytes(b"in the way")
-
-
-def test_a_failed_upload_fails_the_next_report_and_leaves_no_snapshot(tmp_path):
-    st = Storage(str(tmp_path / "runs"))
-    staging = str(tmp_path / "staging")
-    session = Session(spec(st), [].append)
-    session._uploads = Uploads(st, session.send, staging_root=staging)
-    block_checkpoint_path(st.url, "run", 1)
-    local = write_checkpoint(tmp_path, {"w.pt": b"w"})
-    session.report({"i": 1}, Checkpoint.from_directory(local), checkpoint_upload_mode="async")
-    # the snapshot is removed only once the failure is latched
-    wait_for(lambda: not staged_dirs(staging), 30, "the upload to fail")
-    with pytest.raises(ft_train.StorageError, match="asynchronous upload of report 1"):
-        session.report({"i": 2})
-    session.close()
-
-
 def test_a_file_rewritten_in_place_during_its_upload_fails_finish(storage, tmp_path):
     st = GatedStorage(storage.path, storage.options)
     session = Session(spec(st), [].append)
@@ -280,24 +184,6 @@ def test_a_killed_process_leaves_a_snapshot_that_the_next_session_removes(tmp_pa
 
 
 # -- staging_dir ---------------------------------------------------------------------------------
-
-
-def test_staging_dir_is_in_memory_when_the_checkpoint_fits_and_is_removed_after(tmp_path):
-    with ft_train.staging_dir(2**20) as d:
-        assert d.startswith("/dev/shm/"), d  # this machine has a tmpfs there with room
-        Path(d, "model.pt").write_bytes(b"x" * 2**20)
-    assert not os.path.exists(d)
-    for size in (None, 2**60):  # no size given, or more than fits: on disk
-        with ft_train.staging_dir(size) as d:
-            assert Path(d).is_relative_to(tempfile.gettempdir()) and os.listdir(d) == []
-    with pytest.raises(RuntimeError, match="boom"):
-        with ft_train.staging_dir(2**20) as d:
-            raise RuntimeError("boom")
-    assert not os.path.exists(d)
-    for bad in (-1, 1.5, "1GB"):
-        with pytest.raises(ft_train.SessionError, match="size_bytes"):
-            with ft_train.staging_dir(bad):
-                pass
 
 
 def test_a_checkpoint_in_the_staging_dir_uploads_async_from_a_hard_linked_snapshot(storage):

@@ -19,9 +19,8 @@ from fastapi.encoders import jsonable_encoder
 import ft_train
 from ft_train.storage.credentials import MASK
 from ft_train.storage.fs import Storage
-from tests.conftest import make_s3_target
+from tests.conftest import make_s3_target, moto_checks_credentials
 from tests.helpers import DEMO, demo_config
-from tests.test_bad_input import moto_checks_credentials
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 

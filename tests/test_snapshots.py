@@ -30,8 +30,8 @@ from ft_train.worker.flat_state import pack, whole
 from ft_train.worker.journal import run_key
 from ft_train.worker.snapshots import RankSnapshots
 from tests.conftest import StorageTarget
+from tests.external_clusters import NannyCluster
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
-from tests.test_chaos import ExternalCluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -223,7 +223,7 @@ def nodes(tmp_path, monkeypatch):
     """Three nodes, each a nanny and its worker in a process group of their own: two ranks and a
     spare. Each rank's pieces are held by its own nanny and the other rank's (all on one host)."""
     monkeypatch.setenv("DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES", "0")  # as ft-train asks
-    cluster = ExternalCluster(tmp_path)
+    cluster = NannyCluster(tmp_path)
     try:
         for _ in range(3):
             cluster.add_node()
@@ -368,7 +368,7 @@ def test_a_holder_on_another_host_takes_the_bytes_and_a_restore_reads_either(
     target, name = local(tmp_path), f"snap-hosts-{pace}"
     run = run_key(fresh(target).uri(name))
     seen: dict = {}
-    nodes = ExternalCluster(tmp_path)
+    nodes = NannyCluster(tmp_path)
     try:
         nodes.add_node()
         nodes.add_node(OWN_SHM)

@@ -1,22 +1,18 @@
 """The storage invariants of DESIGN.md ("Storage layout and commit protocol"), one test each, run
 against a local path and the loopback S3 endpoint (the `storage` fixture).
 
-Each test drives the real write path without Dask: ranks are `Session`s whose messages are
-collected with `send=list.append`, consolidated by the controller's `ReportRounds`, and committed
-by `CheckpointManager`. Faults come from `FaultyStorage`, a real `Storage` that records every
-mutating call and raises `Crash` in place of the k-th one: a crash of the process at that point.
-After a crash, a fresh `Storage` and `RunStore` play the rerun: they see only what reached storage.
+Each test drives the real write path without Dask (`tests/write_path.py`): ranks are `Session`s
+whose messages are collected with `send=list.append`, consolidated by the controller's
+`ReportRounds`, and committed by `CheckpointManager`. Faults come from `FaultyStorage`, a real
+`Storage` that records every mutating call and raises `Crash` in place of the k-th one: a crash of
+the process at that point. After a crash, a fresh `Storage` and `RunStore` play the rerun: they
+see only what reached storage.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import random
-import shutil
-import tempfile
 from collections import Counter
 from typing import Any
 
@@ -28,229 +24,35 @@ from ft_train.config import CheckpointConfig, RunConfig, ScalingConfig
 from ft_train.controller.rounds import ReportRounds
 from ft_train.driver import prepare
 from ft_train.errors import StorageError
-from ft_train.protocol import RankSpec
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
-from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name, retained
-from ft_train.storage.fs import Storage, local_files
+from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
+from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import (
     INDEX_DIR,
     SCHEMA_VERSION,
     STATE_FILE,
-    CheckpointEntry,
     RunState,
     RunStore,
 )
-from ft_train.worker.session import Session
 from tests.helpers import fresh
-from tests.rank_specs import rank_spec as a_rank_spec
-
-ATTEMPT_0 = "0a" * 16  # attempt ids are uuid4 hex strings
-ATTEMPT_1 = "1b" * 16
-
-
-def noop_train_loop(config: dict) -> None:
-    """An importable train_loop for `prepare_run`; never called."""
-
-
-# -- fault injection ------------------------------------------------------------------------------
-
-
-class Crash(Exception):
-    """A simulated crash of the process that made the storage call."""
-
-
-class FaultyStorage(Storage):
-    """A real Storage that logs its mutating calls as (op, path) and raises `Crash` in place of the
-    `crash_at`-th one (1-based). With `torn=True` a crashing `upload_dir` first uploads half of its
-    files, like a process killed mid-upload. `on_delete(path)` runs just before each delete."""
-
-    def __init__(self, url, options=None, crash_at=None, torn=False, on_delete=None):
-        super().__init__(url, options)
-        self.crash_at, self.torn, self.on_delete = crash_at, torn, on_delete
-        self.log: list[tuple[str, str]] = []
-        self.calls = 0
-
-    def _crashes_now(self) -> bool:
-        self.calls += 1
-        return self.calls == self.crash_at
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        if self._crashes_now():
-            raise Crash(f"write {path}")
-        super().write_atomic(path, data)
-        self.log.append(("write", path))
-
-    def upload_dir(self, local_dir: str, path: str, should_stop=None, rank: int = 0):
-        if self._crashes_now():
-            if self.torn:
-                rels = local_files(local_dir)
-                with tempfile.TemporaryDirectory() as part:
-                    for rel in rels[: max(1, len(rels) // 2)]:
-                        shutil.copy(os.path.join(local_dir, rel), os.path.join(part, rel))
-                    super().upload_dir(part, path, should_stop, rank)
-            raise Crash(f"upload {path}")
-        infos = super().upload_dir(local_dir, path, should_stop, rank)
-        self.log.append(("upload", path))
-        return infos
-
-    def delete_dir(self, path: str) -> None:
-        if self._crashes_now():
-            raise Crash(f"delete {path}")
-        if self.on_delete is not None:
-            self.on_delete(path)
-        super().delete_dir(path)
-        self.log.append(("delete", path))
-
-
-# -- the write path, driven without Dask -----------------------------------------------------------
-
-
-def write_tree(root, files: dict[str, bytes]) -> str:
-    os.makedirs(root, exist_ok=True)
-    for rel, data in files.items():
-        with open(os.path.join(root, rel), "wb") as f:
-            f.write(data)
-    return str(root)
-
-
-def rank_spec(
-    storage: Storage,
-    name: str,
-    rank: int,
-    world: int,
-    attempt: int,
-    attempt_id: str,
-    start_index: int,
-) -> RankSpec:
-    return a_rank_spec(
-        storage,
-        rank,
-        world,
-        train_loop=noop_train_loop,
-        name=name,
-        attempt=attempt,
-        attempt_id=attempt_id,
-        start_report_index=start_index,
-        collective_timeout_s=1800.0,
-    )
-
-
-def report_round(
-    storage: Storage,
-    name: str,
-    index: int,
-    files_by_rank: list[dict[str, bytes]],
-    metrics: dict,
-    attempt: int,
-    attempt_id: str,
-    tmp_path,
-) -> list[dict]:
-    """Every rank's `index`-th report(), each rank attaching its own files; returns the messages."""
-    msgs: list[dict] = []
-    for rank, files in enumerate(files_by_rank):
-        session = Session(
-            rank_spec(storage, name, rank, len(files_by_rank), attempt, attempt_id, index - 1),
-            send=msgs.append,
-        )
-        local = write_tree(tmp_path / f"local-{name}-{index}-{attempt_id[:4]}-{rank}", files)
-        session.report(metrics, checkpoint=Checkpoint.from_directory(local))
-        shutil.rmtree(local)  # report() has uploaded; the local copy may go
-    return msgs
-
-
-def commit_round(
-    manager: CheckpointManager, state: RunState, msgs: list[dict], index: int, attempt: int
-) -> tuple[str, list[str]]:
-    rounds = ReportRounds(world_size=len(msgs), last_index=index - 1)
-    for m in msgs:
-        rounds.add(m)
-    rnd = rounds.pop_complete()
-    assert rnd is not None and rnd.index == index
-    dropped = manager.commit(state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, attempt)
-    return rnd.dir_name, dropped
-
-
-def save(
-    storage: Storage,
-    name: str,
-    state: RunState,
-    cfg: CheckpointConfig,
-    index: int,
-    files_by_rank: list[dict[str, bytes]],
-    tmp_path,
-    metrics: dict | None = None,
-    attempt: int = 0,
-    attempt_id: str = ATTEMPT_0,
-) -> tuple[str, list[str]]:
-    """One checkpoint save: every rank uploads, then the driver commits."""
-    metrics = metrics if metrics is not None else {"step": index}
-    msgs = report_round(storage, name, index, files_by_rank, metrics, attempt, attempt_id, tmp_path)
-    manager = CheckpointManager(storage, RunStore(storage, name), cfg)
-    return commit_round(manager, state, msgs, index, attempt)
-
-
-def rank_files(tag: str) -> list[dict[str, bytes]]:
-    """Two ranks, two files each (so a torn upload leaves some files), contents tagged."""
-    return [
-        {"model.pt": f"model {tag}".encode(), "optim.pt": f"optim {tag}".encode() * 3},
-        {"rng_1.pt": f"rng1 {tag}".encode(), "data_1.pt": f"data1 {tag}".encode() * 5},
-    ]
-
-
-def merged(files_by_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    for files in files_by_rank:
-        out.update(files)
-    return out
-
-
-# -- what a rerun sees -----------------------------------------------------------------------------
-
-
-def load(target, name: str) -> RunState | None:
-    return RunStore(fresh(target), name).load()
-
-
-def restore(target, name: str, dir_name: str, tmp_path) -> dict[str, bytes]:
-    """Download a checkpoint through its manifest, verified; return its files' contents."""
-    ckpt = Checkpoint(fresh(target).uri(f"{name}/{dir_name}"), target.options)
-    local = tempfile.mkdtemp(dir=tmp_path, prefix="restore-")
-    ckpt.download_verified(local)
-    out = {}
-    for rel in local_files(local):
-        if rel != MANIFEST:
-            with open(os.path.join(local, rel), "rb") as f:
-                out[rel] = f.read()
-    return out
-
-
-def stored_names(target, name: str) -> set[str]:
-    return set(fresh(target).list_dir(name))
-
-
-def stored_files(target, path: str) -> set[str]:
-    """Every file under `path` (recursively), relative to it, read with a fresh listing."""
-    storage = fresh(target)
-    storage.fs.invalidate_cache()
-    root = storage.full(path).rstrip("/")
-    return {p[len(root) + 1 :] for p in storage.fs.find(root)}
-
-
-def assert_references_restorable(target, name: str, state: RunState, tmp_path) -> None:
-    """Every checkpoint the run state references exists and verifies against its manifest."""
-    for entry in state.checkpoints:
-        restore(target, name, entry.dir_name, tmp_path)
-    assert state.latest is None or state.latest in {e.dir_name for e in state.checkpoints}
-
-
-def committed_run(target, name: str, tmp_path, cfg: CheckpointConfig) -> tuple[RunState, str]:
-    """A run with one committed checkpoint (index 1, contents tagged 'old')."""
-    storage = fresh(target)
-    state = RunState(name=name)
-    RunStore(storage, name).save(state)
-    dir_name, _ = save(storage, name, state, cfg, 1, rank_files("old"), tmp_path)
-    return state, dir_name
-
+from tests.write_path import (
+    ATTEMPT_0,
+    ATTEMPT_1,
+    NOOP,
+    Crash,
+    FaultyStorage,
+    assert_references_restorable,
+    commit_round,
+    committed_run,
+    load,
+    merged,
+    rank_files,
+    report_round,
+    restore,
+    save,
+    stored_files,
+    stored_names,
+)
 
 # -- invariant 1: files, then the manifest, then the run state, then deletes -----------------------
 
@@ -383,15 +185,6 @@ def test_checkpoint_directory_never_mixes_attempts(storage, tmp_path):
     assert restore(storage, name, dir_b, tmp_path) == merged(files_b)
 
 
-def test_same_attempt_number_from_another_driver_gets_another_directory():
-    """A driver killed before it recorded its attempt: the next one reuses the attempt number,
-    never the directory (the attempt id differs)."""
-    first = checkpoint_dir_name(5, 0, "3f2a" * 8)
-    second = checkpoint_dir_name(5, 0, "9c1e" * 8)
-    assert first != second
-    assert checkpoint_dir_name(5, 0, ATTEMPT_0) != checkpoint_dir_name(5, 1, ATTEMPT_0)
-
-
 # -- invariant 4: retention keeps the latest, and deletes only what the state no longer references -
 
 
@@ -447,43 +240,6 @@ def test_retention_deletes_only_after_the_run_state_stops_referencing(storage, t
         assert_references_restorable(storage, name, saved, tmp_path)
         # After a crash: an orphan directory, never a reference to a deleted one.
         assert (first in stored_names(storage, name)) == (crash_at is not None)
-
-
-@pytest.mark.parametrize("order", ["max", "min"])
-@pytest.mark.parametrize("num_to_keep", [1, 2, 3])
-def test_retained_keeps_the_latest_and_the_best(order, num_to_keep):
-    """Property check of `retained` over random histories (seeded): the latest is always kept,
-    at most num_to_keep others, and nothing dropped outranks a kept non-latest checkpoint."""
-    rng = random.Random(f"{order}-{num_to_keep}")
-    cfg = CheckpointConfig(
-        num_to_keep=num_to_keep, checkpoint_score_attribute="score", checkpoint_score_order=order
-    )
-
-    def goodness(e: CheckpointEntry) -> float:
-        v = e.metrics.get("score")
-        if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-            return -math.inf  # missing, NaN (stored as the string "nan") rank worst
-        return v if order == "max" else -v
-
-    for _ in range(200):
-        entries: list[CheckpointEntry] = []
-        for i in range(1, rng.randint(1, 8) + 1):
-            metrics = rng.choice(
-                [{"score": rng.choice([0.1, 0.5, 0.9, rng.random()])}, {}, {"score": "nan"}]
-            )
-            entries.append(CheckpointEntry(dir_name=f"c{i}", report_index=i, metrics=metrics))
-            latest = entries[-1].dir_name
-            kept = retained(entries, latest, cfg)
-            assert latest in kept
-            assert kept == [e.dir_name for e in entries if e.dir_name in kept]  # commit order
-            others = [e for e in entries if e.dir_name in kept and e.dir_name != latest]
-            assert len(others) <= num_to_keep
-            dropped = [e for e in entries if e.dir_name not in kept]
-            if dropped:
-                assert len(kept) >= num_to_keep
-                worst_kept = min(goodness(e) for e in others) if others else math.inf
-                assert all(goodness(d) <= worst_kept for d in dropped)
-            entries = [e for e in entries if e.dir_name in kept]
 
 
 # -- invariant 5: a rerun finds its state in O(1) reads, not by listing ----------------------------
@@ -588,7 +344,7 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
             prepare, "Storage", lambda url, options=None, c=calls: CountingStorage(url, options, c)
         )
         plan = prepare.prepare_run(
-            f"{__name__}:noop_train_loop",
+            NOOP,
             {},
             ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
@@ -614,7 +370,7 @@ def test_rerun_reads_its_state_in_constant_reads_without_listing(storage, tmp_pa
     # rerun after it does not list the run's directory at all: only a killed driver's does.
     calls.clear()
     plan = prepare.prepare_run(
-        f"{__name__}:noop_train_loop",
+        NOOP,
         {},
         ScalingConfig(),
         RunConfig(name="many", storage_path=storage.path, storage_options=storage.options),
@@ -816,7 +572,7 @@ def test_torn_run_state_gives_a_clear_storage_error(storage, tmp_path):
     assert STATE_FILE in str(err.value) and "run_config.name" in str(err.value)
     with pytest.raises(StorageError, match="not valid JSON"):  # the driver refuses too
         prepare.prepare_run(
-            f"{__name__}:noop_train_loop",
+            NOOP,
             {},
             ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),
@@ -838,7 +594,7 @@ def test_run_state_from_a_newer_schema_is_refused_and_left_untouched(storage, tm
         RunStore(fresh(storage), name).load()
     with pytest.raises(StorageError, match=f"schema_version {SCHEMA_VERSION + 1}"):
         prepare.prepare_run(
-            f"{__name__}:noop_train_loop",
+            NOOP,
             {},
             ScalingConfig(),
             RunConfig(name=name, storage_path=storage.path, storage_options=storage.options),

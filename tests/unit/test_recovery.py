@@ -22,8 +22,7 @@ from ft_train.run_name import render
 from ft_train.storage.run_state import RunStore
 from tasks.train import TAKEN_OVER
 from tests.conftest import on_storage
-from tests.helpers import fresh
-from tests.test_lease import foreign_lease
+from tests.helpers import deployment, foreign_lease, fresh
 
 # -- the driver-restart budget -------------------------------------------------------------
 
@@ -201,7 +200,6 @@ def test_prefect_yaml_schedules_a_nightly_demo_and_limits_each_deployment_to_one
     from prefect.server.schemas.schedules import CronSchedule
 
     from deployments import demo
-    from tests.test_deployments import deployment
 
     nightly = deployment("nightly")
     assert {**nightly["parameters"], "run_config": demo.RUN_CONFIG} == demo.PARAMETERS
