@@ -18,7 +18,6 @@ across the flow runs that trained it (a rerun after a driver crash adds a versio
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -28,8 +27,7 @@ from prefect.events import emit_event
 from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
-from ft_train.storage.metric_history import load_history
-from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
+from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState
 
 from .keys import artifact_key
 from .live import LiveView
@@ -76,18 +74,14 @@ class RunEvents(Callback):
         self._emit(f"run.{state.status}", payload)
 
 
-def publish_artifacts(plan: RunPlan, view: LiveView | None = None) -> None:
-    """The run's checkpoint table and summary, and the live view's artifacts brought up to date
-    (`view`, which kept them while the run trained; a new one for a run that did not train
-    here), as artifacts of this flow run."""
-    if view is None:
-        with contextlib.suppress(Exception):  # a damaged or unreachable history shows empty
-            plan.history = load_history(plan.storage, name_of(plan.run_config))
-        view = LiveView(plan)
+def publish_artifacts(plan: RunPlan, entries: list[CheckpointEntry], view: LiveView) -> None:
+    """The run's checkpoint table (`entries`: every retained checkpoint, as
+    `RunStore.all_checkpoints` read them) and summary, and the live view's artifacts brought up
+    to date (`view`, which kept them while the run trained, or a new one over the history read
+    at the run's end), as artifacts of this flow run. Reads no storage."""
     view.final()
     state = plan.state
     name = state.name
-    entries = RunStore(plan.storage, name).all_checkpoints(state)
     rows = [
         {
             "step": e.report_index,
