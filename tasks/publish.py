@@ -6,6 +6,8 @@ on a failure, a run that starts when another finishes.
 
     ft-train.checkpoint.committed   a checkpoint is committed: step, metrics, path
     ft-train.failure                a failure is recorded: kind, rank, step, error, charged
+    ft-train.run.restarted          an attempt after the first started (a retry of the task
+                                    run, or a driver's takeover): attempt, step, restored, ranks
     ft-train.run.finished           the run ended: status, step, metrics, path
     ft-train.run.failed             (and error, for a failed one)
 
@@ -27,7 +29,7 @@ from prefect.events import emit_event
 from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
-from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState
+from ft_train.storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
 
 from .keys import artifact_key
 from .live import LiveView
@@ -46,6 +48,20 @@ class RunEvents(Callback):
         name = name_of(self.plan.run_config)
         resource = {"prefect.resource.id": f"ft-train.run.{name}", "prefect.resource.name": name}
         emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
+
+    def on_attempt_started(self, attempt: AttemptRecord) -> None:
+        if attempt.attempt == 0:
+            return  # the run's first: its flow run's start says it
+        self._emit(
+            "run.restarted",
+            {
+                "attempt": attempt.attempt,
+                "step": attempt.start_report_index,
+                # a checkpoint's directory, or an in-memory snapshot; None: from scratch
+                "restored": attempt.restored_snapshot or attempt.restored_from,
+                "ranks": attempt.world_size,
+            },
+        )
 
     def on_failure(self, failure: FailureRecord) -> None:
         self._emit("failure", failure.model_dump(mode="json", exclude={"time", "traceback"}))

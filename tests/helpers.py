@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import ft_train
@@ -128,3 +129,14 @@ def run_killed(script: str, args: dict) -> subprocess.CompletedProcess:
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     return proc
+
+
+def needs(what: str, why_missing: str | None) -> None:
+    """A test that needs a system program (PostgreSQL, Chromium, ...): skipped where it is
+    missing (`why_missing`, naming the install), except under CI (`CI` set), which installs
+    everything the tests need (`.ci/run`): there a missing one fails the test."""
+    if why_missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what}: {why_missing}; CI installs it (.ci/run), so this is a failure there")
+    pytest.skip(f"{what}: {why_missing}")

@@ -34,15 +34,6 @@ def artifacts_of(name: str, what: str) -> list:
     return newest_first[::-1]
 
 
-def test_artifact_keys_are_what_prefect_accepts_and_keep_runs_apart():
-    key = artifact_key("unique_run_id=da823d5", "checkpoints")
-    assert key.startswith("ft-train-unique-run-id-da823d5-") and key.endswith("-checkpoints"), key
-    assert artifact_key("Run.A", "failures") != artifact_key("run-a", "failures")
-    for name in ["a", "A" * 200, "exp-1.2_b+c,d@e:f", "---"]:
-        key = artifact_key(name, "summary")
-        assert key == key.lower() and set(key) <= set("abcdefghijklmnopqrstuvwxyz0123456789-"), key
-
-
 @on_storage("local")
 def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifacts(
     storage, tmp_path
