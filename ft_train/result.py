@@ -38,8 +38,8 @@ from .ray_names import RefusesRayNames
 from .storage.checkpoint import Checkpoint
 from .storage.checkpoint_manager import score
 from .storage.fs import Storage
-from .storage.metric_history import Point, load_history
-from .storage.run_state import FailureRecord, RunState, RunStore
+from .storage.metric_history import MetricHistory, Point, load_history
+from .storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
 
 
 @dataclass
@@ -82,26 +82,36 @@ class TrainResult(RefusesRayNames):
 
     @classmethod
     def from_state(
-        cls, storage: Storage, state: RunState, cfg: CheckpointConfig | None = None
+        cls,
+        storage: Storage,
+        state: RunState,
+        cfg: CheckpointConfig | None = None,
+        *,
+        entries: list[CheckpointEntry] | None = None,
+        history: MetricHistory | None = None,
     ) -> TrainResult:
         """The result of `state`'s run on `storage`. `cfg`: how its checkpoints are ranked;
-        by default the checkpoint config the run last trained with (as its state records)."""
+        by default the checkpoint config the run last trained with (as its state records).
+        `entries` (`RunStore.all_checkpoints`) and `history`: what the caller has already read
+        or kept, so that the end of a run reads each once; each is read here when not given."""
 
         def ckpt(dir_name: str) -> Checkpoint:
             return Checkpoint(storage.uri(f"{state.name}/{dir_name}"), storage.options)
 
         cfg = cfg or _recorded_checkpoint_config(state)
-        entries = RunStore(storage, state.name).all_checkpoints(state)
-        entries.sort(key=lambda e: e.report_index)  # report order
+        if entries is None:
+            entries = RunStore(storage, state.name).all_checkpoints(state)
+        entries = sorted(entries, key=lambda e: e.report_index)  # report order; not the caller's
         if cfg.checkpoint_score_attribute is not None:
             entries.sort(key=lambda e: (score(e, cfg), e.report_index))  # the best last
         if cfg.num_to_keep is not None:
             entries = entries[-cfg.num_to_keep :]  # the latest is kept on storage even if worse
         latest = state.latest_entry()
-        try:
-            history = load_history(storage, state.name).rows()
-        except Exception:  # it only informs (damaged, or storage out); the run state is the record
-            history = []
+        if history is None:
+            try:
+                history = load_history(storage, state.name)
+            except Exception:  # it only informs (damaged, or storage out); the state is the record
+                history = MetricHistory()
         return cls(
             metrics=dict(latest.metrics) if latest else None,
             checkpoint=ckpt(latest.dir_name) if latest else None,
@@ -110,7 +120,7 @@ class TrainResult(RefusesRayNames):
             error=_error(state),
             failures=list(state.failures),
             status=state.status,
-            metrics_history=history,
+            metrics_history=history.rows(),
             last_metrics=state.metrics,
         )
 

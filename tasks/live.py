@@ -24,23 +24,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeGuard
 from uuid import UUID
 
 from prefect import get_client
 from prefect.artifacts import (
     create_image_artifact,
+    create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
 )
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.context import TaskRunContext
 
 from ft_train import knobs
 from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
 from ft_train.policy.failure import preemptions
+from ft_train.storage.metric_history import MetricHistory
 from ft_train.storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
 
 from . import plot
@@ -84,6 +88,8 @@ class LiveView(Callback):
 
     def on_attempt_started(self, attempt: AttemptRecord) -> None:
         self._index = attempt.start_report_index
+        if attempt.attempt > 0:
+            self.show_restart(attempt)
         self.refresh()
 
     def on_report(self, index: int, metrics: dict[str, Any]) -> None:
@@ -142,7 +148,7 @@ class LiveView(Callback):
         if not history and now - self._history_at < knobs.UI_HISTORY_EVERY_S:
             return
         self._history_at, kept = now, self.plan.history
-        rows = [{k: _cell(v) for k, v in p.items()} for p in kept.rows()]
+        rows = history_rows(kept)
         shown = f"{len(rows)} points" + (f", one every {kept.stride} steps" * (kept.stride > 1))
         description = f"Metric history of run {name!r} ({shown})"
         self._show(client, "metrics", rows, description, create_table_artifact)
@@ -150,6 +156,26 @@ class LiveView(Callback):
         self._show(
             client, "metrics-plot", plotted, f"Metrics of run {name!r}", create_image_artifact
         )
+
+    def show_restart(self, attempt: AttemptRecord) -> None:
+        """Restart `attempt.attempt` (the n-th attempt after the run's first; a retry of the task
+        run, or the first attempt of a driver that took the run over) marked where the flow run
+        is looked at first: the task run that trains it is renamed `train-N (restart n from
+        step S)` (the run's graph and its Task Runs tab), and an artifact of the flow run says
+        from where and after what (its Artifacts tab, a mark on the graph; key `...-restarts`,
+        a version per restart)."""
+        what = restart_title(attempt, self.plan.state)
+        context = TaskRunContext.get()
+        with self._lock, get_client(sync_client=True) as client:
+            if context is not None:  # the task run records its name with each state it sends
+                base = context.task_run.name.split(" (restart ")[0]
+                context.task_run.name = f"{base} ({what.split(': ')[0].lower()})"
+                client.set_task_run_name(context.task_run.id, context.task_run.name)
+            create_markdown_artifact(
+                restart_markdown(attempt, self.plan),
+                key=artifact_key(name_of(self.plan.run_config), "restarts"),
+                description=f"{what} of run {self.plan.run_config.name!r}",
+            )
 
     def show_failures(self) -> None:
         state, cfg = self.plan.state, self.plan.run_config.failure_config
@@ -173,6 +199,40 @@ class LiveView(Callback):
             return
         stored = json.dumps(data) if isinstance(data, list) else data  # as `create` stores it
         client.update_artifact(self.ids[what], ArtifactUpdate(data=stored, description=description))
+
+
+def restart_title(attempt: AttemptRecord, state: RunState) -> str:
+    """'Restart n from step S: after rank r's exception at step F' (the failure that ended the
+    attempt before, where the run state has it)."""
+    where = (
+        f"from step {attempt.start_report_index}" if attempt.start_report_index else "from scratch"
+    )
+    title = f"Restart {attempt.attempt} {where}"
+    before = [f for f in state.failures if f.attempt < attempt.attempt]
+    if before:
+        f = before[-1]
+        who = f"rank {f.rank}'s " if f.rank is not None else ""
+        at = f" at step {f.step}" if f.step is not None else ""
+        title += f": after {who}{f.kind}{at}"
+    return title
+
+
+def restart_markdown(attempt: AttemptRecord, plan: RunPlan) -> str:
+    """What a restart artifact says: its title, where it started from, and the failure."""
+    state, name = plan.state, plan.run_config.name
+    restored = attempt.restored_snapshot or attempt.restored_from
+    lines = [
+        f"# {restart_title(attempt, state)}",
+        "",
+        f"- **run**: `{name}`, attempt {attempt.attempt} (`{attempt.attempt_id}`)",
+        f"- **started**: {attempt.started_at:%Y-%m-%d %H:%M:%S} UTC, {attempt.world_size} ranks",
+        f"- **restored**: `{restored}`" if restored else "- **restored**: nothing (from scratch)",
+    ]
+    before = [f for f in state.failures if f.attempt < attempt.attempt]
+    if before and before[-1].error:
+        lines.append(f"- **error**: {before[-1].error.splitlines()[0]}")
+    lines.append(f"- **failure budgets**: {budgets(plan).split('; ', 1)[-1]}")
+    return "\n".join(lines) + "\n"
 
 
 def failure_rows(state: RunState, max_failures: int) -> list[dict[str, Any]]:
@@ -218,6 +278,21 @@ def _left(setting: str, used: int, limit: int) -> str:
     if limit == -1:
         return f"{setting}=-1: {used} used, unlimited"
     return f"{setting}={limit}: {used} used, {max(0, limit - used)} left"
+
+
+def history_rows(history: MetricHistory) -> list[dict[str, Any]]:
+    """The metric history as its table shows it: each point's clock time (`time`, epoch
+    seconds in the stored history) as a UTC date and time, NaN as empty."""
+    return [
+        {k: _utc(v) if k == "time" else _cell(v) for k, v in point.items()}
+        for point in history.rows()
+    ]
+
+
+def _utc(epoch_s: Any) -> Any:
+    if not isinstance(epoch_s, (int, float)):
+        return epoch_s
+    return f"{datetime.fromtimestamp(epoch_s, UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def _cell(value: Any) -> Any:

@@ -16,8 +16,13 @@ from html import escape
 
 from ft_train.storage.metric_history import MetricHistory
 
-# Reported to place a point, not to be plotted: the x axis and the progress' total.
-NOT_PLOTTED = frozenset({"step", "time", "total_steps", "epoch"})
+# Reported to place a point, not to be plotted: the x axis and the progress' total, where a
+# restart resumed from (the demo's `resumed_from`: a dashed line marks it already), and clock
+# times (Ray's auto-filled ones among them), whose epoch seconds would flatten any chart.
+NOT_PLOTTED = frozenset(
+    {"step", "time", "total_steps", "epoch", "resumed_from", "timestamp", "time_total_s"}
+    | {"training_iteration", "iterations_since_restore"}
+)
 MAX_CHARTS = 6
 COLUMNS = 2
 W, H = 440, 170  # one chart
@@ -26,8 +31,14 @@ COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"]
 
 
 def charted(history: MetricHistory) -> list[str]:
-    """The metrics drawn: the numeric ones reported, first seen first, up to MAX_CHARTS."""
-    return [s for s in history.series if s not in NOT_PLOTTED][:MAX_CHARTS]
+    """The metrics drawn: the numeric ones reported, first seen first, up to MAX_CHARTS; not
+    what places a point (`NOT_PLOTTED`), nor a clock time (a name ending in `_timestamp` or
+    `_at`; a duration such as `step_time` is a metric)."""
+    return [s for s in history.series if is_metric(s)][:MAX_CHARTS]
+
+
+def is_metric(name: str) -> bool:
+    return name not in NOT_PLOTTED and not name.endswith(("_timestamp", "_at"))
 
 
 def svg(history: MetricHistory) -> str:

@@ -6,6 +6,8 @@ on a failure, a run that starts when another finishes.
 
     ft-train.checkpoint.committed   a checkpoint is committed: step, metrics, path
     ft-train.failure                a failure is recorded: kind, rank, step, error, charged
+    ft-train.run.restarted          an attempt after the first started (a retry of the task
+                                    run, or a driver's takeover): attempt, step, restored, ranks
     ft-train.run.finished           the run ended: status, step, metrics, path
     ft-train.run.failed             (and error, for a failed one)
 
@@ -18,7 +20,6 @@ across the flow runs that trained it (a rerun after a driver crash adds a versio
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -28,8 +29,7 @@ from prefect.events import emit_event
 from ft_train.config import name_of
 from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
-from ft_train.storage.metric_history import load_history
-from ft_train.storage.run_state import CheckpointEntry, FailureRecord, RunState, RunStore
+from ft_train.storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
 
 from .keys import artifact_key
 from .live import LiveView
@@ -48,6 +48,20 @@ class RunEvents(Callback):
         name = name_of(self.plan.run_config)
         resource = {"prefect.resource.id": f"ft-train.run.{name}", "prefect.resource.name": name}
         emit_event(event=f"ft-train.{event}", resource=resource, payload=_json(payload))
+
+    def on_attempt_started(self, attempt: AttemptRecord) -> None:
+        if attempt.attempt == 0:
+            return  # the run's first: its flow run's start says it
+        self._emit(
+            "run.restarted",
+            {
+                "attempt": attempt.attempt,
+                "step": attempt.start_report_index,
+                # a checkpoint's directory, or an in-memory snapshot; None: from scratch
+                "restored": attempt.restored_snapshot or attempt.restored_from,
+                "ranks": attempt.world_size,
+            },
+        )
 
     def on_failure(self, failure: FailureRecord) -> None:
         self._emit("failure", failure.model_dump(mode="json", exclude={"time", "traceback"}))
@@ -76,18 +90,14 @@ class RunEvents(Callback):
         self._emit(f"run.{state.status}", payload)
 
 
-def publish_artifacts(plan: RunPlan, view: LiveView | None = None) -> None:
-    """The run's checkpoint table and summary, and the live view's artifacts brought up to date
-    (`view`, which kept them while the run trained; a new one for a run that did not train
-    here), as artifacts of this flow run."""
-    if view is None:
-        with contextlib.suppress(Exception):  # a damaged or unreachable history shows empty
-            plan.history = load_history(plan.storage, name_of(plan.run_config))
-        view = LiveView(plan)
+def publish_artifacts(plan: RunPlan, entries: list[CheckpointEntry], view: LiveView) -> None:
+    """The run's checkpoint table (`entries`: every retained checkpoint, as
+    `RunStore.all_checkpoints` read them) and summary, and the live view's artifacts brought up
+    to date (`view`, which kept them while the run trained, or a new one over the history read
+    at the run's end), as artifacts of this flow run. Reads no storage."""
     view.final()
     state = plan.state
     name = state.name
-    entries = RunStore(plan.storage, name).all_checkpoints(state)
     rows = [
         {
             "step": e.report_index,

@@ -17,12 +17,14 @@ from prefect.runtime import flow_run
 from prefect.states import Crashed
 
 import ft_train
+from ft_train.config import name_of
 from ft_train.controller import Controller
 from ft_train.driver.cluster import dask_client
 from ft_train.driver.lease import LeaseDoc
 from ft_train.driver.prepare import RunPlan, make_controller
 from ft_train.driver.prepare import prepare_run as _prepare_run
 from ft_train.errors import AttemptFailed
+from ft_train.storage.metric_history import MetricHistory, load_history
 
 from .live import LiveView
 from .publish import publish_artifacts
@@ -123,18 +125,40 @@ def train_segment(controller: Controller, segment: int) -> bool:
 def finalize(plan: RunPlan, view: LiveView | None = None) -> ft_train.TrainResult:
     """The run's result, and its checkpoints, failures and summary as artifacts of the flow
     run. Also called for a run that failed, before its error is raised: what cannot be
-    published is logged, not raised."""
-    result = plan.result()
+    published is logged, not raised.
+
+    The run's end reads storage once: its whole checkpoint index here (the head is
+    `plan.state`), and its metric history only for a run that did not train here (`view` is
+    None); a run that trained here has it in memory, current (`plan.history`). The result, the
+    checkpoint table and the live view are all given what was read."""
+    entries = plan.store.all_checkpoints(plan.state)  # a damaged index fails the call, as before
+    if view is None:
+        plan.history = _stored_history(plan)
+        view = LiveView(plan)
+    result = ft_train.TrainResult.from_state(
+        plan.storage,
+        plan.state,
+        plan.run_config.checkpoint_config,
+        entries=entries,
+        history=plan.history,
+    )
     log = get_run_logger()
     log.info(
         f"run {plan.run_config.name!r} {result.status}: {len(result.best_checkpoints)} checkpoints "
         f"kept, {len(result.failures)} failures, at {result.path}"
     )
     try:
-        publish_artifacts(plan, view)
+        publish_artifacts(plan, entries, view)
     except Exception as e:  # the run's own outcome stands; only the UI loses
         log.warning(f"could not publish the run's artifacts ({type(e).__name__}: {e})")
     return result
+
+
+def _stored_history(plan: RunPlan) -> MetricHistory:
+    try:
+        return load_history(plan.storage, name_of(plan.run_config))
+    except Exception:  # it only informs (damaged, or storage out): shown empty
+        return MetricHistory()
 
 
 __all__ = ["prepare_run", "provision_workers", "train_segment", "finalize", "make_controller"]

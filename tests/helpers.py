@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import yaml
 
@@ -181,3 +182,14 @@ def deployment(name: str) -> dict[str, Any]:
     project = yaml.safe_load((Path(REPO) / "prefect.yaml").read_text())
     (found,) = [d for d in project["deployments"] if d["name"] == name]
     return found
+
+
+def needs(what: str, why_missing: str | None) -> None:
+    """A test that needs a system program (PostgreSQL, Chromium, ...): skipped where it is
+    missing (`why_missing`, naming the install), except under CI (`CI` set), which installs
+    everything the tests need (`.ci/run`): there a missing one fails the test."""
+    if why_missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what}: {why_missing}; CI installs it (.ci/run), so this is a failure there")
+    pytest.skip(f"{what}: {why_missing}")

@@ -3,14 +3,19 @@ read back from the session's Prefect API."""
 
 import contextvars
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
+from prefect.context import TaskRunContext
 
 import ft_train
+from ft_train.storage.checkpoint_manager import CheckpointManager
+from ft_train.storage.fs import Storage
+from ft_train.storage.metric_history import history_path
 from ft_train.storage.run_state import RunStore
 from tasks.publish import artifact_key
 from tests.conftest import on_storage
@@ -27,15 +32,6 @@ def artifacts_of(name: str, what: str) -> list:
             sort=ArtifactSort.CREATED_DESC,
         )
     return newest_first[::-1]
-
-
-def test_artifact_keys_are_what_prefect_accepts_and_keep_runs_apart():
-    key = artifact_key("unique_run_id=da823d5", "checkpoints")
-    assert key.startswith("ft-train-unique-run-id-da823d5-") and key.endswith("-checkpoints"), key
-    assert artifact_key("Run.A", "failures") != artifact_key("run-a", "failures")
-    for name in ["a", "A" * 200, "exp-1.2_b+c,d@e:f", "---"]:
-        key = artifact_key(name, "summary")
-        assert key == key.lower() and set(key) <= set("abcdefghijklmnopqrstuvwxyz0123456789-"), key
 
 
 @on_storage("local")
@@ -120,3 +116,58 @@ def test_a_run_sends_its_failures_and_checkpoints_as_events_and_ends_with_artifa
     assert [(f["kind"], f["rank"], f["step"]) for f in failures] == [("exception", 1, 7)]
     summaries = artifacts_of(name, "summary")
     assert "failed" in summaries[0].data and "finished" in summaries[-1].data
+
+
+def reads_at_the_end(monkeypatch) -> Counter:
+    """Counts, by path, what the finalize task reads from storage (the real reads still happen),
+    and its listings of the whole checkpoint index (`all_checkpoints()`)."""
+    reads: Counter = Counter()
+
+    def at_the_end() -> bool:
+        context = TaskRunContext.get()
+        return context is not None and context.task.name == "finalize"
+
+    read_bytes, all_checkpoints = Storage.read_bytes, RunStore.all_checkpoints
+
+    def read(self, path):
+        reads[path] += at_the_end()
+        return read_bytes(self, path)
+
+    def listed(self, state):
+        reads["all_checkpoints()"] += at_the_end()
+        return all_checkpoints(self, state)
+
+    monkeypatch.setattr(Storage, "read_bytes", read)
+    monkeypatch.setattr(RunStore, "all_checkpoints", listed)
+    return reads
+
+
+@on_storage("local")
+def test_the_end_of_a_run_reads_its_checkpoints_and_history_once(storage, monkeypatch):
+    """A run trains to its end, then a rerun returns the finished result. The first end lists the
+    checkpoint index once (each sealed chunk one read) and reads no history (the driver kept it
+    as it trained); the rerun's reads each once: the result, the artifacts and the live view
+    share what was read."""
+    monkeypatch.setattr(CheckpointManager.__init__, "__defaults__", (1,))  # a chunk per commit
+    name = "read-once"
+    reads = reads_at_the_end(monkeypatch)
+    result = train_demo(storage, name, demo_config())
+    state = load_state(storage, name)
+    assert result.status == "finished" and state.sealed_chunks >= 1, state
+    chunks = [RunStore(fresh(storage), name).chunk_path(i) for i in range(state.sealed_chunks)]
+    assert reads == Counter({"all_checkpoints()": 1, **dict.fromkeys(chunks, 1)}), reads
+
+    reads.clear()
+    again = train_demo(storage, name, demo_config())
+    assert reads == Counter(
+        {"all_checkpoints()": 1, history_path(name): 1, **dict.fromkeys(chunks, 1)}
+    ), reads
+    assert again.metrics_history == result.metrics_history and again.metrics_history
+    assert [c.path for c, _ in again.best_checkpoints] == [
+        c.path for c, _ in result.best_checkpoints
+    ]
+    entries = RunStore(fresh(storage), name).all_checkpoints(state)
+    rows = json.loads(artifacts_of(name, "checkpoints")[-1].data)
+    assert [r["step"] for r in rows] == [e.report_index for e in entries], rows
+    plotted = artifacts_of(name, "metrics")[-1].data
+    assert len(json.loads(plotted)) == len(again.metrics_history), "the live view's history too"

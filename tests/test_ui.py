@@ -23,87 +23,9 @@ from prefect.client.schemas.filters import (
 
 import ft_train
 from ft_train import knobs
-from ft_train.controller.history import HistoryRecorder
-from ft_train.errors import RunLockedError
-from ft_train.storage.fs import Storage
-from ft_train.storage.metric_history import MAX_POINTS, MAX_SERIES, MetricHistory, load_history
-from ft_train.storage.run_state import FailureRecord, RunState, RunStore
-from tasks import plot
-from tasks.live import failure_rows, progress
 from tasks.publish import artifact_key
 from tests.conftest import on_storage
 from tests.helpers import demo_config, fault, train_demo, wait_for
-
-# -- the parts, alone ------------------------------------------------------------------------
-
-
-def test_the_history_stays_bounded_and_spread_over_the_whole_run():
-    history = MetricHistory()
-    metrics = {f"m{i}": float(i) for i in range(MAX_SERIES + 4)} | {"note": "text", "ok": True}
-    for step in range(1, 100_001):
-        history.add(step, {**metrics, "loss": 1.0 / step})
-    steps = [p["step"] for p in history.points]
-    assert MAX_POINTS // 2 <= len(steps) <= MAX_POINTS, len(steps)
-    assert steps[-1] == 100_000 and steps[0] <= history.stride, steps[:3]
-    gaps = {b - a for a, b in zip(steps[:-1], steps[1:], strict=True)}
-    assert gaps <= {history.stride, 100_000 % history.stride or history.stride}, gaps
-    assert history.series == [f"m{i}" for i in range(MAX_SERIES)]  # bools, text, extras: out
-    assert len(history.model_dump_json()) < 100_000
-
-
-def test_a_restart_drops_the_rounds_trained_again_and_is_marked():
-    history = MetricHistory()
-    for step in range(1, 13):
-        history.add(step, {"loss": float(step)})
-    history.restart(5)
-    assert [p["step"] for p in history.points] == [1, 2, 3, 4, 5]
-    assert history.restarts == [5]
-    svg = plot.svg(history)
-    assert "stroke-dasharray" in svg and ">loss<" in svg
-
-
-def test_the_history_is_written_beside_the_run_state_only_by_the_lease_holder(tmp_path):
-    store = RunStore(Storage(str(tmp_path)), "r")
-    recorder = HistoryRecorder(store, MetricHistory())
-    recorder.on_report(1, {"loss": 0.5})
-    recorder.on_run_end(RunState(name="r"))
-    assert load_history(store.storage, "r").points[0]["loss"] == 0.5
-
-    class Lost:
-        def check(self):
-            raise RunLockedError("another driver holds run 'r'")
-
-    store.lease = Lost()
-    recorder.on_report(2, {"loss": 0.25})
-    with pytest.raises(RunLockedError):
-        recorder.on_run_end(RunState(name="r"))
-    assert len(load_history(store.storage, "r").points) == 1, "the new driver's history kept"
-
-
-def test_progress_comes_from_total_steps_then_epochs_else_says_the_total_is_unknown():
-    assert progress(30, {"total_steps": 120}, {}) == (25.0, "step 30 of 120 (total_steps reported)")
-    pct, what = progress(30, {"epoch": 1}, {"epochs": 4})
-    assert pct == 25.0 and "epoch 1 of 4" in what
-    pct, what = progress(30, {"loss": 0.1}, {"epochs": "many"})
-    assert pct == 0.0 and "total unknown" in what and "total_steps" in what
-
-
-def test_the_failures_table_shows_what_each_failure_left_of_its_budget():
-    state = RunState(
-        name="r",
-        failures=[
-            FailureRecord(kind="exception", rank=1, step=7),
-            FailureRecord(kind="driver_crash", charged=False),
-            FailureRecord(kind="process_death", rank=0, step=9),
-        ],
-    )
-    left = [r["budget left"] for r in failure_rows(state, max_failures=3)]
-    assert left == [
-        "max_failures=3: 1 used, 2 left",
-        "not charged",
-        "max_failures=3: 2 used, 1 left",
-    ]
-
 
 # -- a run, read back through the Prefect API ------------------------------------------------
 
