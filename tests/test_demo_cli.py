@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from cli.launch import refused
+from deployments import demo
 from flows import ephemeral
+from ft_train.config import RunConfig, ScalingConfig
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from tests.helpers import wait_for
@@ -133,6 +136,10 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
     assert state.status == "finished"
     assert [f.kind for f in state.failures] == ["exception"]
     assert len(state.attempts) == 2
+    # The crash is not part of the run: the demo deployment's parameters are this same run, and
+    # a run of them would return it (not be refused a changed train_loop_config)
+    assert "faults" not in state.config["train_loop_config"], state.config
+    assert not refused(deployment_parameters(storage, name, epochs=1), state)
 
     if served:
         assert_the_server_has_the_flow_run(name)
@@ -157,6 +164,18 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
     assert missing.returncode == 1, missing.stdout
     assert "no run named 'no-such-run'" in missing.stdout
     assert "Traceback" not in missing.stdout
+
+
+def deployment_parameters(storage, name: str, epochs: int) -> dict:
+    """The demo deployment's parameters, as its flow run validates them, with this run's name,
+    storage and epochs."""
+    run = {**demo.RUN_CONFIG, "name": name, "storage_path": storage.path}
+    return {
+        **demo.PARAMETERS,
+        "train_loop_config": {**demo.TRAIN_LOOP_CONFIG, "epochs": epochs},
+        "scaling_config": ScalingConfig.model_validate(demo.SCALING_CONFIG),
+        "run_config": RunConfig.model_validate({**run, "storage_options": storage.options}),
+    }
 
 
 def assert_the_server_has_the_flow_run(name: str) -> None:
