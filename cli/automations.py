@@ -48,8 +48,12 @@ def run_install(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     from deployments.automations import install
 
+    from .launch import prefect_reachable
+
     if not PREFECT_API_URL.value():
         parser.error("PREFECT_API_URL is not set: point it at your Prefect server's API")
+    if not prefect_reachable():
+        return EXIT_FAILED
     try:
         names = install(args.deployment, timedelta(seconds=args.within))
     except ValueError as e:

@@ -28,7 +28,7 @@ from ft_train.storage.run_state import RunState
 from ft_train.testing.faults import FAULTS_ENV
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import refused, stored_before, train_and_show
+from .launch import prefect_reachable, refused, stored_before, train_and_show
 from .output import say
 
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
@@ -209,6 +209,8 @@ def _announce(
 
 def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = flow_parameters(args, parser)
+    if not prefect_reachable():
+        return EXIT_FAILED
     may_start, before = stored_before(params["run_config"])
     if not may_start:
         return EXIT_FAILED

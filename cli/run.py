@@ -20,7 +20,7 @@ from ft_train.errors import ConfigError
 from ft_train.worker.rank import load_train_loop
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import refused, stored_before, train_and_show
+from .launch import prefect_reachable, refused, stored_before, train_and_show
 from .output import say
 
 
@@ -128,6 +128,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         load_train_loop(args.train_loop)  # here, not after Prefect's start: a usage error
     except ConfigError as e:
         parser.error(str(e))
+    if not prefect_reachable():
+        return EXIT_FAILED
     may_start, before = stored_before(params["run_config"])
     if not may_start or refused(params, before):
         return EXIT_FAILED
