@@ -302,6 +302,72 @@ def test_run_trains_is_killed_and_the_same_command_resumes(cli_env, tmp_path, pr
     assert stored_state(Target(store), "cli-run") == finished
 
 
+MY_TRAIN = """
+import tempfile
+
+import ft_train
+from ft_train.testing.faults import maybe_inject
+
+
+def train_fn(config):
+    rank, start = ft_train.get_context().get_world_rank(), 0
+    if (ckpt := ft_train.get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            start = int(open(f"{d}/step").read())
+    for step in range(start, config["steps"]):
+        maybe_inject(config["faults"], rank, step)
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                open(f"{d}/step", "w").write(str(step + 1))
+            ft_train.report({"step": step}, checkpoint=ft_train.Checkpoint.from_directory(d))
+"""
+
+
+def test_run_imports_the_function_from_the_current_directory_in_every_rank(
+    cli_env, tmp_path, prefect_api
+):
+    """`ft-train run my_train:train_fn` beside my_train.py, as `python -m` imports: the driver and
+    both ranks find it, and so does the rank that replaces one SIGKILLed at step 3. Run as the
+    `ft-train` console script runs (`python -P`: nothing but PYTHONPATH on the import path, and
+    PYTHONPATH only the project's). Against the session's Prefect server."""
+    (tmp_path / "my_train.py").write_text(MY_TRAIN)
+    kill = {"rank": 1, "step": 3, "kind": "kill", "marker": str(tmp_path / "killed")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "cli",
+            "run",
+            "my_train:train_fn",
+            "--name",
+            "mine",
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--workers",
+            "2",
+            "--max-failures",
+            "1",
+            "--config",
+            "steps=6",
+            "--config",
+            f"faults={json.dumps([kill])}",
+        ],  # fmt: skip
+        env={**cli_env, "PYTHONPATH": REPO, "PREFECT_API_URL": prefect_api},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out
+    assert "Run 'mine' finished." in out, out
+    state = stored_state(Target(str(tmp_path / "runs")), "mine")
+    assert [(f.kind, f.rank, f.step) for f in state.failures] == [("process_death", 1, 3)], out
+    assert state.report_index == 6 and len(state.attempts) == 2, out
+
+
 class Target:
     """A local storage path, as `stored_state` takes one."""
 
