@@ -21,6 +21,7 @@ from prefect.runtime import flow_run
 import ft_train
 from flows import api, ephemeral
 from flows.credentials import with_credentials
+from flows.deployment_defaults import with_deployment_defaults
 from ft_train.config import name_of, parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
@@ -91,7 +92,10 @@ def named(run: ft_train.RunConfig) -> ft_train.RunConfig:
     the flow run's scheduled start time; no name, one generated from the flow run's id and
     creation time (Ray generates one too). Both are facts of the flow run that never change, so
     every call in it gives the same name, and the flow run is named so (`_flow_run_name`): the
-    recovery automation's rerun of a crashed flow run passes that name on, and resumes it."""
+    recovery automation's rerun of a crashed flow run passes that name on, and resumes it. In a
+    deployment's flow run, a run config given in part keeps the deployment's other fields first
+    (`flows.deployment_defaults`)."""
+    run = with_deployment_defaults(run)
     if run.name is None:
         return run.model_copy(update={"name": _generated_name()})
     if is_template(run.name):
