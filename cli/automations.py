@@ -32,7 +32,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="FLOW/NAME",
         help="a deployment, e.g. ft-train/demo (repeatable; default: every ft-train deployment)",
     )
-    install.add_argument(
+    add_within_arg(install)
+    install.set_defaults(command_fn=run_install, command_parser=install)
+
+
+def add_within_arg(p: argparse.ArgumentParser) -> None:
+    """--within, the zombie automation's silence; `ft-train deploy` takes it too."""
+    p.add_argument(
         "--within",
         type=float,
         default=90.0,
@@ -40,7 +46,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a flow run with no event this long after a heartbeat is marked Crashed: 3 "
         "heartbeats or more (default: %(default)g)",
     )
-    install.set_defaults(command_fn=run_install, command_parser=install)
 
 
 def run_install(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -48,8 +53,12 @@ def run_install(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     from deployments.automations import install
 
+    from .launch import prefect_reachable
+
     if not PREFECT_API_URL.value():
         parser.error("PREFECT_API_URL is not set: point it at your Prefect server's API")
+    if not prefect_reachable():
+        return EXIT_FAILED
     try:
         names = install(args.deployment, timedelta(seconds=args.within))
     except ValueError as e:

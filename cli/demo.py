@@ -1,7 +1,9 @@
 """`ft-train demo`: the demo deployment's parameters (`deployments/demo.py`), trained as the
 Prefect flow in ephemeral mode on a local Dask cluster. What ft-train is for, by default: a rank
 crashes once partway, the group restarts from the latest checkpoint, and the summary says what
-the recovery cost. `--no-faults` trains without the crash.
+the recovery cost. `--no-faults` trains without the crash. The crash reaches the ranks through
+their environment, not the run's config: the run is the demo deployment's, and a rerun of either
+finds the other's finished run.
 
 The options' defaults are the demo's parameters; each option replaces one of them. `flows.train`
 (and with it Prefect) is imported when the command runs, after the environment defaults are set.
@@ -10,7 +12,9 @@ The options' defaults are the demo's parameters; each option replaces one of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
 import math
 import os
 import tempfile
@@ -21,9 +25,10 @@ from pydantic import ValidationError
 from deployments import demo
 from ft_train.config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from ft_train.storage.run_state import RunState
+from ft_train.testing.faults import FAULTS_ENV
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import refused, stored_before, train_and_show
+from .launch import prefect_reachable, refused, stored_before, train_and_show
 from .output import say
 
 DEMO_BATCH_SIZE = 64  # the example's default; the crash step is checked against it
@@ -95,9 +100,8 @@ def _demo_steps(workers: int, epochs: int) -> int:
 def _fault_marker(config: RunConfig, rank: int, step: int) -> str:
     """Where the injected crash records that it fired, so a restart does not crash again.
 
-    Keyed by (storage_path, name) and stable across invocations: the path is part of the
-    training config, whose fingerprint a resume compares. Ranks run on this machine (the demo's
-    cluster is local), so a local file is enough."""
+    Keyed by (storage_path, name) and stable across invocations: every driver of the run finds
+    it. Ranks run on this machine (the demo's cluster is local), so a local file is enough."""
     key = hashlib.sha256(f"{config.storage_path}\0{config.name}".encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     folder = os.path.join(tempfile.gettempdir(), f"ft-train-demo-{uid}")
@@ -147,7 +151,7 @@ def _crash_point(args: argparse.Namespace) -> tuple[int, int]:
 
 def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The flow's parameters: the demo's (`deployments.demo`), with each option's value in place
-    of the one it names; or a usage error (exit 2). No crash injected yet (`_inject_crash`)."""
+    of the one it names; or a usage error (exit 2). The crash is not among them (`_inject_crash`)."""
     config, scaling = _check_demo_args(args, parser)
     loop_config = {
         **demo.TRAIN_LOOP_CONFIG,
@@ -165,34 +169,32 @@ def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def _inject_crash(
     args: argparse.Namespace, params: dict[str, Any], before: RunState | None
-) -> str | None:
-    """Add the demo's crash (`_crash_point`) to the training config; its marker file, if one is
-    injected. A run that exists goes on with the crash it was started with, unless an option
-    says otherwise: a rerun of the same command resumes it rather than being refused a changed
-    config (`RunConfig.allow_train_loop_change`)."""
-    chosen = args.no_faults or args.crash_at_step is not None or args.crash_rank is not None
-    if before is not None and before.config is not None and not chosen:
-        faults = before.config["train_loop_config"].get("faults")
-        if faults:
-            params["train_loop_config"]["faults"] = faults
-            return str(faults[0].get("marker", "")) or None
-        return None
-    if args.no_faults:
+) -> dict[str, Any] | None:
+    """The demo's crash (`_crash_point`), or None: not for `--no-faults`, nor for a run that has
+    finished (it trains nothing), nor once it has fired for this run (its marker exists).
+
+    Not part of `train_loop_config`: the ranks read it from their environment
+    (`ft_train.testing.faults.FAULTS_ENV`, set by `run_demo`), so the run's stored config is the
+    demo deployment's own and either one's rerun finds the other's finished run. It stays a real
+    fault: the rank raises, impolitely, at that step."""
+    if args.no_faults or (before is not None and before.status == "finished"):
         return None
     rank, step = _crash_point(args)
     marker = _fault_marker(params["run_config"], rank, step)
     if before is None and os.path.exists(marker):
         os.remove(marker)  # left by an earlier run of this name whose storage was deleted
-    params["train_loop_config"]["faults"] = [
-        {"rank": rank, "step": step, "kind": "raise", "marker": marker}
-    ]
-    return marker
+    if os.path.exists(marker):
+        return None  # fired in an earlier driver of this run: the restart passes it by
+    return {"rank": rank, "step": step, "kind": "raise", "marker": marker}
 
 
-def _announce(args: argparse.Namespace, params: dict[str, Any], before: RunState | None) -> None:
-    faults = params["train_loop_config"].get("faults") or []
-    crashing = "".join(
-        f"; rank {f['rank']} will crash once before step {f['step']}" for f in faults
+def _announce(
+    args: argparse.Namespace, fault: dict[str, Any] | None, before: RunState | None
+) -> None:
+    crashing = (
+        ""
+        if fault is None
+        else (f"; rank {fault['rank']} will crash once before step {fault['step']}")
     )
     if before is None:
         say(
@@ -207,15 +209,19 @@ def _announce(args: argparse.Namespace, params: dict[str, Any], before: RunState
 
 def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = flow_parameters(args, parser)
+    if not prefect_reachable():
+        return EXIT_FAILED
     may_start, before = stored_before(params["run_config"])
     if not may_start:
         return EXIT_FAILED
-    marker = _inject_crash(args, params, before)
     if refused(params, before):
         return EXIT_FAILED
-    _announce(args, params, before)
+    fault = _inject_crash(args, params, before)
+    _announce(args, fault, before)
+    if fault is not None:  # before Prefect and the cluster start: the ranks inherit it
+        os.environ[FAULTS_ENV] = json.dumps([fault])
     code, result = train_and_show(params, before, _demo_steps(args.workers, args.epochs))
-    if marker is not None and result is not None and result.status == "finished":
-        if os.path.exists(marker):
-            os.remove(marker)  # the run is over: nothing will read it again
+    if fault is not None and result is not None and result.status == "finished":
+        with contextlib.suppress(FileNotFoundError):  # never fired: a resume began past it
+            os.remove(fault["marker"])  # the run is over: nothing will read it again
     return code

@@ -55,6 +55,21 @@ def quiet_console() -> None:
         handler.addFilter(QuietConsole())
 
 
+def prefect_reachable() -> bool:
+    """Does the Prefect API that the flow will use answer (`flows.api`)? Prints why not, in one
+    line. Asked before the command announces or starts anything."""
+    # Before Prefect is imported: an offline machine must not print telemetry errors.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.api import PrefectApiUnreachable, check_reachable
+
+    try:
+        check_reachable()
+    except PrefectApiUnreachable as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def stored_before(config: RunConfig) -> tuple[bool, RunState | None]:
     """(whether the command may train, the run as stored before it). Prints why it may not: the
     storage cannot be read, or another driver holds the run (said now, not after Prefect's start)."""

@@ -11,6 +11,8 @@
                       (`cli/runs.py`); both with --json for scripts
     ft-train automations install
                       the Prefect automations that rerun a crashed driver (`cli/automations.py`)
+    ft-train deploy   every deployment in prefect.yaml and their automations, in one step
+                      (`cli/deploy.py`)
     ft-train dask-config
                       the Dask settings, as YAML, for a cluster that ft-train does not start
 
@@ -25,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from . import automations, dask_config, demo, run, runs
+from . import automations, dask_config, demo, deploy, run, runs
 from .common import EXIT_FAILED
 
 
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(commands)
     runs.add_parsers(commands)
     automations.add_parser(commands)
+    deploy.add_parser(commands)
     dask_config.add_parser(commands)
     return parser
 

@@ -5,12 +5,19 @@ crash, a kill of this process, or a failure that spent the budget.
 
 `--config` values are JSON where they parse as JSON (epochs=2, lr=0.1, layers=[64,64],
 debug=true), else strings (optimizer=adam); a dotted key sets a nested one (model.hidden=128).
+
+MODULE is imported as `python -m` imports it: from the current directory first
+(`import_from_cwd`), in this process and in every rank of a local cluster, restarted ones too.
+A cluster elsewhere (--address) imports it from its workers' own path.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import sys
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,7 +27,7 @@ from ft_train.errors import ConfigError
 from ft_train.worker.rank import load_train_loop
 
 from .common import EXIT_FAILED, add_allow_arg, add_storage_args, run_config, validation_message
-from .launch import refused, stored_before, train_and_show
+from .launch import prefect_reachable, refused, stored_before, train_and_show
 from .output import say
 
 
@@ -122,12 +129,50 @@ def flow_parameters(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     }
 
 
+def import_from_cwd() -> None:
+    """Put the current directory first on the import path, as `python -m` does (the `ft-train`
+    console script runs without it): in this process's `sys.path`, and in PYTHONPATH, which every
+    process it starts inherits: the local cluster's fork server, its workers, the ranks that
+    replace failed ones."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *paths])
+
+
+def from_cwd(train_loop: str) -> str | None:
+    """The file MODULE was imported from, where it lies under the current directory."""
+    spec = importlib.util.find_spec(train_loop.partition(":")[0].partition(".")[0])
+    origin = (
+        None
+        if spec is None
+        else spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    )
+    if origin is None:
+        return None
+    cwd = os.path.join(os.getcwd(), "")
+    return origin if os.path.abspath(origin).startswith(cwd) else None
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = flow_parameters(args, parser)
+    import_from_cwd()
     try:
         load_train_loop(args.train_loop)  # here, not after Prefect's start: a usage error
     except ConfigError as e:
         parser.error(str(e))
+    local = from_cwd(args.train_loop)
+    if args.address is not None and local is not None:
+        say(
+            f"note: {args.train_loop.partition(':')[0]} is imported here from the current "
+            f"directory ({local}); the workers of the Dask cluster at {args.address} import it "
+            "from their own path: install it on every worker host, or put its directory on "
+            "their PYTHONPATH (`dask worker --preload` it to import it once)"
+        )
+    if not prefect_reachable():
+        return EXIT_FAILED
     may_start, before = stored_before(params["run_config"])
     if not may_start or refused(params, before):
         return EXIT_FAILED

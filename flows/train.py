@@ -19,8 +19,9 @@ from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
 import ft_train
-from flows import ephemeral
+from flows import api, ephemeral
 from flows.credentials import with_credentials
+from flows.deployment_defaults import with_deployment_defaults
 from ft_train.config import name_of, parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
@@ -91,7 +92,10 @@ def named(run: ft_train.RunConfig) -> ft_train.RunConfig:
     the flow run's scheduled start time; no name, one generated from the flow run's id and
     creation time (Ray generates one too). Both are facts of the flow run that never change, so
     every call in it gives the same name, and the flow run is named so (`_flow_run_name`): the
-    recovery automation's rerun of a crashed flow run passes that name on, and resumes it."""
+    recovery automation's rerun of a crashed flow run passes that name on, and resumes it. In a
+    deployment's flow run, a run config given in part keeps the deployment's other fields first
+    (`flows.deployment_defaults`)."""
+    run = with_deployment_defaults(run)
     if run.name is None:
         return run.model_copy(update={"name": _generated_name()})
     if is_template(run.name):
@@ -138,7 +142,8 @@ def _nothing_to_train(run: ft_train.RunConfig) -> bool:
 class _TrainFlow(Flow):
     """The flow, and three things more for a Python call. Its parameters are checked first, so
     that bad input raises ConfigError before anything starts (a deployment's are checked by
-    Prefect, then by the flow). Prefect's temporary API server, where Prefect would start one,
+    Prefect, then by the flow), and then the API that PREFECT_API_URL names, if any
+    (`flows.api`). Prefect's temporary API server, where Prefect would start one,
     starts at once (`flows.ephemeral`). On a local CPU cluster, that
     cluster starts on a thread at once too (its workers fork from a server that imports torch);
     the flow's run takes it over. Not for a run on local storage that has finished, or that
@@ -146,6 +151,7 @@ class _TrainFlow(Flow):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cluster, scaling, run, call = _checked(self.fn, args, kwargs)  # bad input: nothing starts
+        api.check_reachable()  # a server that is down: one line, not Prefect's retries
         # the parsed config, not a dict: Prefect stores it with its credentials hidden
         args, kwargs = (), {**call.arguments, "run_config": run}
         server = ephemeral.start()  # first: it is the longest to start

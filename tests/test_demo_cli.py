@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from cli.launch import refused
+from deployments import demo
 from flows import ephemeral
+from ft_train.config import RunConfig, ScalingConfig
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from tests.helpers import wait_for
@@ -133,6 +136,10 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
     assert state.status == "finished"
     assert [f.kind for f in state.failures] == ["exception"]
     assert len(state.attempts) == 2
+    # The crash is not part of the run: the demo deployment's parameters are this same run, and
+    # a run of them would return it (not be refused a changed train_loop_config)
+    assert "faults" not in state.config["train_loop_config"], state.config
+    assert not refused(deployment_parameters(storage, name, epochs=1), state)
 
     if served:
         assert_the_server_has_the_flow_run(name)
@@ -157,6 +164,18 @@ def test_demo_recovers_from_a_crash_then_a_rerun_trains_nothing(
     assert missing.returncode == 1, missing.stdout
     assert "no run named 'no-such-run'" in missing.stdout
     assert "Traceback" not in missing.stdout
+
+
+def deployment_parameters(storage, name: str, epochs: int) -> dict:
+    """The demo deployment's parameters, as its flow run validates them, with this run's name,
+    storage and epochs."""
+    run = {**demo.RUN_CONFIG, "name": name, "storage_path": storage.path}
+    return {
+        **demo.PARAMETERS,
+        "train_loop_config": {**demo.TRAIN_LOOP_CONFIG, "epochs": epochs},
+        "scaling_config": ScalingConfig.model_validate(demo.SCALING_CONFIG),
+        "run_config": RunConfig.model_validate({**run, "storage_options": storage.options}),
+    }
 
 
 def assert_the_server_has_the_flow_run(name: str) -> None:
@@ -281,6 +300,72 @@ def test_run_trains_is_killed_and_the_same_command_resumes(cli_env, tmp_path, pr
     assert "--allow-train-loop-change" in changed.stdout, changed.stdout
     assert "flow run" not in changed.stdout and "Traceback" not in changed.stdout, changed.stdout
     assert stored_state(Target(store), "cli-run") == finished
+
+
+MY_TRAIN = """
+import tempfile
+
+import ft_train
+from ft_train.testing.faults import maybe_inject
+
+
+def train_fn(config):
+    rank, start = ft_train.get_context().get_world_rank(), 0
+    if (ckpt := ft_train.get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            start = int(open(f"{d}/step").read())
+    for step in range(start, config["steps"]):
+        maybe_inject(config["faults"], rank, step)
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                open(f"{d}/step", "w").write(str(step + 1))
+            ft_train.report({"step": step}, checkpoint=ft_train.Checkpoint.from_directory(d))
+"""
+
+
+def test_run_imports_the_function_from_the_current_directory_in_every_rank(
+    cli_env, tmp_path, prefect_api
+):
+    """`ft-train run my_train:train_fn` beside my_train.py, as `python -m` imports: the driver and
+    both ranks find it, and so does the rank that replaces one SIGKILLed at step 3. Run as the
+    `ft-train` console script runs (`python -P`: nothing but PYTHONPATH on the import path, and
+    PYTHONPATH only the project's). Against the session's Prefect server."""
+    (tmp_path / "my_train.py").write_text(MY_TRAIN)
+    kill = {"rank": 1, "step": 3, "kind": "kill", "marker": str(tmp_path / "killed")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "cli",
+            "run",
+            "my_train:train_fn",
+            "--name",
+            "mine",
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--workers",
+            "2",
+            "--max-failures",
+            "1",
+            "--config",
+            "steps=6",
+            "--config",
+            f"faults={json.dumps([kill])}",
+        ],  # fmt: skip
+        env={**cli_env, "PYTHONPATH": REPO, "PREFECT_API_URL": prefect_api},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out
+    assert "Run 'mine' finished." in out, out
+    state = stored_state(Target(str(tmp_path / "runs")), "mine")
+    assert [(f.kind, f.rank, f.step) for f in state.failures] == [("process_death", 1, 3)], out
+    assert state.report_index == 6 and len(state.attempts) == 2, out
 
 
 class Target:

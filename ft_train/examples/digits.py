@@ -5,7 +5,8 @@ bit-exact resume needs: model and optimizer state, the data position (epoch, nex
 global step, and every rank's RNG state (each rank attaches its own file to the same checkpoint).
 
 Config keys (all optional): epochs, batch_size, lr, hidden, dropout, seed, checkpoint_every,
-loader_workers (DataLoader processes per rank), faults (see ft_train.testing.faults). After an elastic
+loader_workers (DataLoader processes per rank), faults (see ft_train.testing.faults; also read
+from its FAULTS_ENV, as `ft-train demo` injects its crash). After an elastic
 resize the data position is rescaled to the new number of ranks; resumes at the same size are
 bit-exact.
 """
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ft_train
 import ft_train.torch
-from ft_train.testing.faults import maybe_inject
+from ft_train.testing.faults import from_environment, maybe_inject
 
 N_TRAIN = 1500  # of 1797 images; the rest is the validation set
 
@@ -71,6 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
     epochs, seed = config.get("epochs", 4), config.get("seed", 0)
     checkpoint_every = config.get("checkpoint_every", 10)
     rank = ft_train.get_context().get_world_rank()
+    faults = [*(config.get("faults") or ()), *from_environment()]
 
     train_set, val_set = datasets()
     loader, sampler = make_loader(train_set, config, seed)
@@ -90,7 +92,7 @@ def train_loop(config: dict[str, Any]) -> None:
         for i, (x, y) in enumerate(loader):
             if i < batch:
                 continue  # already trained on before the checkpoint we resumed from
-            maybe_inject(config.get("faults"), rank, step)
+            maybe_inject(faults, rank, step)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()

@@ -16,10 +16,17 @@ changes the cluster).
 
 With a `marker` path a fault fires once: the marker is created atomically before it acts, so a
 rerun or a restart passes it by.
+
+Faults may also come from outside the run's config: `FAULTS_ENV`, a JSON list in the
+environment of the ranks (`from_environment()`). `ft-train demo` injects its crash so: a fault
+in `train_loop_config` would be part of the run's stored config (its fingerprint), and the demo
+would then be another run than the demo deployment's, which trains the same parameters without
+it. A local cluster's ranks inherit the driver's environment.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -31,6 +38,22 @@ from ..errors import SessionError
 
 class InjectedFault(RuntimeError):
     """The exception a "raise" fault throws."""
+
+
+# Faults for the ranks that are not part of the run's config: a JSON list of fault dicts.
+FAULTS_ENV = "FT_TRAIN_INJECT_FAULTS"
+
+
+def from_environment() -> list[dict[str, Any]]:
+    """The faults in `FAULTS_ENV` (none where it is unset). Read by a training function once, at
+    its start, as the edge where a user's script would read its own settings."""
+    text = os.environ.get(FAULTS_ENV)
+    if not text:
+        return []
+    faults = json.loads(text)
+    if not isinstance(faults, list):
+        raise ValueError(f"{FAULTS_ENV} must be a JSON list of faults, not {text!r}")
+    return faults
 
 
 # The kinds that hold the rank at a point where a test acts (kills its node, its driver, sends
