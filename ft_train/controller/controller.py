@@ -19,6 +19,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from .. import knobs
@@ -34,6 +35,7 @@ from ..policy import failure as failure_policy
 from ..protocol import GroupEvent, LeaseLost, Report, Reported
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
+from ..wording import after_report, plural
 from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
@@ -95,6 +97,7 @@ class Controller:
         self._watching = self._warming = False
         self._segment: Segment | None = None  # a checkpoint committed by the last step
         self._last_progress_log = time.monotonic()
+        self._last_round_at: datetime | None = None  # when the newest round reached the driver
 
     # -- public -------------------------------------------------------------------------------
 
@@ -146,6 +149,8 @@ class Controller:
                     attempt=self._attempt(),
                     step=self._last_index(),
                     charged=False,
+                    reports=self.state.reports,
+                    last_report_at=self._last_round_at,
                 )
                 self.state.failures.append(interrupt)
                 notify(self.callbacks, "on_failure", interrupt)
@@ -190,11 +195,11 @@ class Controller:
             restored_snapshot=snap.name if snap else None,
         )
         self.state.attempts.append(record)
-        self.state.status = "running"
+        self.state.status, self.state.reports = "running", start
         self.store.save(self.state)
         where = f"checkpoint {self.state.latest}" if self.state.latest else "scratch"
         where = f"in-memory {snap.name}" if snap is not None else where
-        self.log(f"attempt {attempt}: {len(group.addresses)} ranks started from {where}")
+        self.log(f"attempt {attempt}: {plural(len(group.addresses), 'rank')} started from {where}")
         notify(self.callbacks, "on_attempt_started", record)
         return Running(Attempt(group, ReportRounds(len(group.addresses), start)))
 
@@ -217,11 +222,12 @@ class Controller:
     def _on_round(self, s: State, rnd: Round) -> State:
         """A round every rank reported: commit its checkpoint, if it has one."""
         self.last_metrics = rnd.metrics
+        self._progressed(rnd.index)
         notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
         if rnd.dir_name is None:
             if time.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
                 self._last_progress_log = time.monotonic()
-                self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
+                self.log(f"report {rnd.index}: {_fmt(rnd.metrics)}")
             return s
         if (conflict := label_conflict(rnd)) is not None:
             return self.errored(SessionError(conflict))
@@ -244,13 +250,14 @@ class Controller:
             self.log(f"round {rnd.index} not committed: {conflict}")
             return
         self.last_metrics = rnd.metrics
+        self.state.reports = max(self.state.reports, rnd.index)  # saved with the commit
         if (shared := collision_warning(rnd)) is not None:  # DESIGN.md, storage invariant 3
             self.warn(shared)
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
         )
         self.log(
-            f"checkpoint {rnd.dir_name} committed at step {rnd.index}{how}: {_fmt(rnd.metrics)}"
+            f"checkpoint {rnd.dir_name} committed at report {rnd.index}{how}: {_fmt(rnd.metrics)}"
             + (f" (deleted {len(dropped)} older)" if dropped else "")
         )
         notify(self.callbacks, "on_checkpoint_committed", self.state.latest_entry(), self.state)
@@ -279,12 +286,13 @@ class Controller:
         self.return_value = self._return_value(attempt)
         attempt.group.read_journals()  # every report arrived: the journals only take room now
         self.cluster.drop_snapshots(self._run_uri)  # and the snapshots
-        self.state.status = "finished"
+        self.state.status, self.state.reports = "finished", attempt.rounds.last_index
         self.state.final_metrics = self.last_metrics
         self.store.save(self.state)
         self.manager.collect_orphans(self.state)
         self.log(
-            f"training finished after {attempt.rounds.last_index} steps: {_fmt(self.last_metrics)}"
+            f"training finished after {plural(attempt.rounds.last_index, 'report')}: "
+            f"{_fmt(self.last_metrics)}"
         )
         return Finished()
 
@@ -374,6 +382,8 @@ class Controller:
     def judge(self, failure: FailureRecord) -> State:
         """Record `failure` and go where the failure policy says: Restarting, or Errored."""
         cfg = self.failure_config
+        if failure.reports is None:  # the run's progress when it failed: what a restart costs
+            failure.reports, failure.last_report_at = self.state.reports, self._last_round_at
         self.state.failures.append(failure)
         notify(self.callbacks, "on_failure", failure)
         decision = failure_policy.decide(
@@ -410,13 +420,28 @@ class Controller:
             if max_failures == -1
             else f"{self.state.charged_failures} of {max_failures}"
         )
+        state = self.state
+        where = f"{state.latest} (report {state.report_index})" if state.latest else "scratch"
+        if self.plan.snapshot_every:  # only a run that keeps in-memory snapshots is told of them
+            where = (
+                f"the newest in-memory snapshot still held, if newer than report "
+                f"{state.report_index}, else from {where}"
+            )
+        error = failure.error.splitlines()[0] if failure.error else ""
         return AttemptFailed(
-            f"rank {failure.rank} failed ({failure.kind}) at step {failure.step}: {failure.error}. "
-            f"Restarting from the newest in-memory snapshot still held, if newer than step "
-            f"{self.state.report_index}, else from {self.state.latest or 'scratch'} (failure "
-            f"{budget} allowed by max_failures)",
+            f"rank {failure.rank} failed ({failure.kind}) {after_report(failure.step)}: {error}. "
+            f"Restarting from {where} (failure {budget} allowed by max_failures)",
             failure.model_dump(mode="json"),
         )
+
+    def _progressed(self, index: int) -> None:
+        """Round `index` reached the driver: the run's progress, and the end of a restart's gap
+        at the attempt's first round (saved with the next write of the run state)."""
+        self._last_round_at = now()
+        self.state.reports = index
+        record = self.state.attempts[-1] if self.state.attempts else None
+        if record is not None and record.first_report_at is None:
+            record.first_report_at = self._last_round_at
 
     def _stop_now(self) -> None:
         """Stop the running group's ranks at once, if any; the driver is leaving the run."""

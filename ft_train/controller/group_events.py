@@ -6,6 +6,7 @@ returns the next state. The decisions are `ft_train.policy`'s; the controller ex
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from typing import TYPE_CHECKING
@@ -24,8 +25,11 @@ from ..protocol import (
     WorkerLost,
 )
 from ..storage.run_state import FailureRecord
+from ..wording import after_report, plural
 from .rounds import Round
 from .state import Attempt, GroupState, Preempting, Resizing, Restarting, Running, State, Suspect
+
+logger = logging.getLogger("ft_train")
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -136,7 +140,10 @@ def _on_ended(ctl: Controller, s: GroupState, event: RankEnded) -> State:
 def _rank_raised(ctl: Controller, s: GroupState, rank: int, exc: RankFailure) -> State:
     """Fail the group, unless the rank found the checkpoint it restores from damaged and an
     earlier one is kept: then restart from that one."""
-    ctl.warn(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
+    # One line for what is expected of a fault-tolerant run; the traceback at DEBUG, and kept
+    # in the failure's record (`ft-train status --json`, the UI's failures table).
+    ctl.warn(f"rank {rank} raised {after_report(exc.step)}: {_first_line(exc.error)}")
+    logger.debug("rank %d raised %s:\n%s", rank, after_report(exc.step), exc.traceback)
     if exc.damaged is not None and ctl.snapshots.unusable(exc.damaged):
         return _snapshot_unusable(ctl, s, rank, exc)
     state = ctl.state
@@ -186,7 +193,7 @@ def _fall_back(ctl: Controller, s: GroupState, rank: int, exc: RankFailure, earl
     state.latest, state.report_index = previous.dir_name, previous.report_index
     ctl.warn(
         f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
-        f"{previous.dir_name} (step {previous.report_index})"
+        f"{previous.dir_name} (report {previous.report_index})"
     )
     return ctl.judge(
         FailureRecord(
@@ -194,7 +201,7 @@ def _fall_back(ctl: Controller, s: GroupState, rank: int, exc: RankFailure, earl
             rank=rank,
             step=exc.step,
             error=f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
-            f"{previous.dir_name} (step {previous.report_index})",
+            f"{previous.dir_name} (report {previous.report_index})",
             attempt=group.attempt,
             charged=False,
         )
@@ -299,7 +306,7 @@ def preempted(ctl: Controller, s: Preempting, jit: str | None) -> State:
     step = s.attempt.rounds.last_index
     ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
     what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
-    ctl.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
+    ctl.log(f"ranks {ranks} preempted {after_report(step)}: {what}; restarting elsewhere")
     return ctl.judge(
         FailureRecord(
             kind="preemption",
@@ -319,5 +326,11 @@ def _resized(ctl: Controller, att: Attempt) -> State:
     # the ranks' last reports may still be on their way: their journals have them
     if (rnd := att.rounds.recover(att.group.read_journals())) is not None:
         ctl._commit(rnd, " (recovered from the ranks' journals)")
-    ctl.log(f"growing the group of {len(att.group.addresses)} ranks (a resize, not a failure)")
+    ctl.log(
+        f"growing the group of {plural(len(att.group.addresses), 'rank')} (a resize, not a failure)"
+    )
     return Restarting()
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""

@@ -150,6 +150,32 @@ def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dic
     return found
 
 
+def progress(
+    run: str, attempt_id: str, ranks: int, root: str | None = None
+) -> tuple[int, float] | None:
+    """What an attempt's ranks on this node had reached, read from their index files (left in
+    place): (the newest report every one of its `ranks` ranks returned from, when the last of
+    them returned from it, as epoch seconds), or None unless every rank's file is here. A new
+    driver asks it of the attempt its crashed predecessor was running: the ranks' progress past
+    the run state's last save, which died with that driver."""
+    path = os.path.join(root or journal_root(), run, attempt_id)
+    reached: list[tuple[int, float]] = []
+    for rank in range(ranks):
+        try:
+            with open(os.path.join(path, f"rank-{rank}.index"), "rb") as f:
+                data, at = f.read(), os.fstat(f.fileno()).st_mtime
+        except OSError:
+            return None
+        if len(data) != _INDEX.size:
+            return None
+        reached.append((_INDEX.unpack(data)[0], at))
+    if not reached:
+        return None
+    index = min(i for i, _ in reached)
+    # A rank further on reached `index` before its file's time: the newest that stopped there.
+    return index, max(at for i, at in reached if i == index)
+
+
 def _parse(data: bytes) -> list[dict[str, Any]]:
     # Each line was one write(), so whole; what follows the last newline is never a line.
     return [json.loads(line) for line in data.split(b"\n")[:-1]]
