@@ -19,7 +19,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .. import knobs
@@ -36,6 +36,7 @@ from ..protocol import GroupEvent, LeaseLost, Report, Reported
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
 from ..wording import after_report, plural
+from ..worker.journal import reached
 from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
@@ -336,6 +337,8 @@ class Controller:
         restores from it; a driver killed in between leaves a committed checkpoint."""
         self.dead_workers |= attempt.group.stop(grace_s=self.stop_grace_s, kill_first=kill_first)
         journals = attempt.group.read_journals(skip=lost)
+        if (got := reached(journals, len(attempt.group.addresses))) is not None:
+            self._reached(*got)  # reports that had not reached the driver count as progress
         if (rnd := attempt.rounds.recover(journals)) is not None:
             notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
             self._commit(rnd, " (recovered from the ranks' journals)")
@@ -442,6 +445,12 @@ class Controller:
         record = self.state.attempts[-1] if self.state.attempts else None
         if record is not None and record.first_report_at is None:
             record.first_report_at = self._last_round_at
+
+    def _reached(self, index: int, at: float) -> None:
+        """Every rank's journal says it returned from report `index` (the last of them at
+        `at`, epoch seconds): the run's progress, if newer than the rounds the driver has."""
+        if index > self.state.reports:
+            self.state.reports, self._last_round_at = index, datetime.fromtimestamp(at, UTC)
 
     def _stop_now(self) -> None:
         """Stop the running group's ranks at once, if any; the driver is leaving the run."""

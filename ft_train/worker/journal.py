@@ -125,8 +125,9 @@ def _sweep(run_dir: str, keep: str) -> None:
 
 def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dict[str, Any]]:
     """Run on a node (by its nanny): the journals of an attempt's ranks on this node, then
-    removed. rank -> {"index": the highest report that returned, "messages": [...]}; a rank that
-    never joined its group has no "index"."""
+    removed. rank -> {"index": the highest report that returned, "at": when it returned (epoch
+    seconds: the index file's time), "messages": [...]}; a rank that never joined its group has
+    no "index"."""
     path = os.path.join(root or journal_root(), run, attempt_id)
     found: dict[int, dict[str, Any]] = {}
     try:
@@ -139,9 +140,9 @@ def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dic
             continue
         entry = found.setdefault(int(stem[5:]), {"messages": []})
         with open(os.path.join(path, name), "rb") as f:
-            data = f.read()
+            data, at = f.read(), os.fstat(f.fileno()).st_mtime
         if ext == "index" and len(data) == _INDEX.size:
-            entry["index"] = _INDEX.unpack(data)[0]
+            entry["index"], entry["at"] = _INDEX.unpack(data)[0], at
         elif ext == "jsonl":
             entry["messages"] = _parse(data)
     shutil.rmtree(path, ignore_errors=True)
@@ -159,21 +160,28 @@ def progress(
     driver asks it of the attempt its crashed predecessor was running: the ranks' progress past
     the run state's last save, which died with that driver."""
     path = os.path.join(root or journal_root(), run, attempt_id)
-    reached: list[tuple[int, float]] = []
+    found: dict[int, dict[str, Any]] = {}
     for rank in range(ranks):
         try:
             with open(os.path.join(path, f"rank-{rank}.index"), "rb") as f:
                 data, at = f.read(), os.fstat(f.fileno()).st_mtime
         except OSError:
             return None
-        if len(data) != _INDEX.size:
-            return None
-        reached.append((_INDEX.unpack(data)[0], at))
-    if not reached:
+        if len(data) == _INDEX.size:
+            found[rank] = {"index": _INDEX.unpack(data)[0], "at": at}
+    return reached(found, ranks)
+
+
+def reached(journals: dict[int, dict[str, Any]], ranks: int) -> tuple[int, float] | None:
+    """From `ranks` ranks' journals (as `collect` reads them): the newest report every one of
+    them returned from, and when the last of them returned from it (epoch seconds); None
+    unless every rank's index is there (a lost node's ranks: what they reached is unknown)."""
+    got = [(j["index"], j["at"]) for r, j in journals.items() if r < ranks and "index" in j]
+    if len(got) < ranks or not got:
         return None
-    index = min(i for i, _ in reached)
+    index = min(i for i, _ in got)
     # A rank further on reached `index` before its file's time: the newest that stopped there.
-    return index, max(at for i, at in reached if i == index)
+    return index, max(at for i, at in got if i == index)
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:
