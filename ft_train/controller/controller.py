@@ -36,7 +36,7 @@ from ..protocol import GroupEvent, LeaseLost, Report, Reported
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.run_state import AttemptRecord, FailureRecord, RunState, RunStore, now
 from ..wording import after_report, plural
-from ..worker.journal import reached
+from ..worker.journal import Reached, reached
 from ..worker.warm import TORCH
 from . import group_events
 from .callbacks import Callback, notify
@@ -338,7 +338,7 @@ class Controller:
         self.dead_workers |= attempt.group.stop(grace_s=self.stop_grace_s, kill_first=kill_first)
         journals = attempt.group.read_journals(skip=lost)
         if (got := reached(journals, len(attempt.group.addresses))) is not None:
-            self._reached(*got)  # reports that had not reached the driver count as progress
+            self._reached(got)  # reports that had not reached the driver count as progress
         if (rnd := attempt.rounds.recover(journals)) is not None:
             notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
             self._commit(rnd, " (recovered from the ranks' journals)")
@@ -393,6 +393,8 @@ class Controller:
             failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is failure_policy.Decision.RAISE:
+            if failure.traceback:  # the run ends on it: not an expected failure, show where
+                self.warn(f"rank {failure.rank} {after_report(failure.step)}:\n{failure.traceback}")
             return self.errored(
                 failure_policy.final_error(failure, self.state, cfg, self.start_failures)
             )
@@ -446,11 +448,16 @@ class Controller:
         if record is not None and record.first_report_at is None:
             record.first_report_at = self._last_round_at
 
-    def _reached(self, index: int, at: float) -> None:
-        """Every rank's journal says it returned from report `index` (the last of them at
-        `at`, epoch seconds): the run's progress, if newer than the rounds the driver has."""
-        if index > self.state.reports:
-            self.state.reports, self._last_round_at = index, datetime.fromtimestamp(at, UTC)
+    def _reached(self, got: Reached) -> None:
+        """What the stopped group's journals say every rank reached: the run's progress, if
+        newer than the rounds the driver has (their reports may have died queued in a rank);
+        and when the attempt first reported, if none of its reports reached the driver."""
+        if got.index > self.state.reports:
+            self.state.reports = got.index
+            self._last_round_at = datetime.fromtimestamp(got.at, UTC)
+        record = self.state.attempts[-1] if self.state.attempts else None
+        if record is not None and record.first_report_at is None and got.first_at is not None:
+            record.first_report_at = datetime.fromtimestamp(got.first_at, UTC)
 
     def _stop_now(self) -> None:
         """Stop the running group's ranks at once, if any; the driver is leaving the run."""

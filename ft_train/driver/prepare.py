@@ -319,9 +319,9 @@ def _progress_at_crash(state: RunState, where: str) -> tuple[int, datetime]:
         return known
     last = state.attempts[-1]
     found = journal.progress(journal.run_key(where), last.attempt_id, last.world_size)
-    if found is None or found[0] < state.reports:
+    if found is None or found.index < state.reports:
         return known
-    return found[0], datetime.fromtimestamp(found[1], UTC)
+    return found.index, datetime.fromtimestamp(found.at, UTC)
 
 
 def interrupt_or(error: BaseException) -> BaseException:
