@@ -76,3 +76,24 @@ def test_a_recovery_costs_the_reports_since_the_restored_round_and_the_wait_for_
 def test_counts_agree_with_their_nouns():
     assert [plural(n, "failure") for n in (0, 1, 2)] == ["0 failures", "1 failure", "2 failures"]
     assert after_report(0) == "before the first report" and after_report(7) == "after report 7"
+
+
+def test_the_journals_say_how_far_every_rank_got_and_when_the_attempt_first_reported(tmp_path):
+    """What the driver counts a recovery from when the ranks' last reports died queued in them:
+    the newest report every rank returned from, and when every rank had first reported."""
+    from ft_train.worker import journal
+
+    ranks = [journal.Journal("run", "a1", r, root=str(tmp_path)) for r in (0, 1)]
+    for j in ranks:
+        j.joined(6)  # restored from report 6: not a report of this attempt
+    before = journal.progress("run", "a1", 2, root=str(tmp_path))  # as a new driver reads it
+    assert before is not None and (before.index, before.first_at) == (6, None)
+    ranks[0].reached(7)
+    ranks[1].reached(7)
+    ranks[0].reached(8)  # rank 1 died before it returned from report 8
+    found = journal.collect("run", "a1", root=str(tmp_path))
+    got = journal.reached(found, 2)
+    assert got is not None and got.index == 7
+    assert got.first_at == max(found[0]["first_at"], found[1]["first_at"])
+    assert got.at == found[1]["at"]  # rank 1 stopped at 7: when it got there
+    assert journal.reached({0: found[0]}, 2) is None  # a rank's journal lost: unknown
