@@ -1,9 +1,11 @@
 """The progress bar of `ft-train run` and `ft-train demo`: rich's, fed by the run's stored state.
 
 The flow runs in this process but reports nothing to it: the bar reads what a rerun would read,
-the run state's head (one small read), at a steady pace on a thread, and moves at each committed
-checkpoint. It draws on the console of Prefect's log handler, so that the flow's log lines print
-above the bar instead of through it. Not a terminal (a pipe, a test): one line at the end.
+the run state's head (one small read), at a steady pace on a thread, and moves as the run state
+does: at each committed checkpoint, each restart and the end. It counts reports (DESIGN.md's
+vocabulary: `RunState.reports`), the number `ft-train list` and `status --json` show. It draws
+on the console of Prefect's log handler, so that the flow's log lines print above the bar
+instead of through it. Not a terminal (a pipe, a test): one line at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.theme import Theme
 from ft_train.config import RunConfig, name_of
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
+from ft_train.wording import plural
 
 POLL_S = 1.0  # a local read costs microseconds, an S3 one a round trip: once a second for both
 # The bar's own styles: Prefect's console has a theme of its own, without rich's defaults.
@@ -45,8 +48,8 @@ def log_console() -> Console:
 
 
 class StoredProgress:
-    """`with StoredProgress(config, total):` shows run `config.name`'s committed steps, out of
-    `total` if known, its latest checkpoint and failures, while the block runs."""
+    """`with StoredProgress(config, total):` shows run `config.name`'s reports, out of `total`
+    if known, its latest checkpoint and failures, while the block runs."""
 
     def __init__(self, config: RunConfig, total: int | None) -> None:
         self.store = RunStore(Storage(config.storage_path, config.storage_options), name_of(config))
@@ -54,7 +57,7 @@ class StoredProgress:
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("steps  {task.fields[note]}"),
+            TextColumn("reports  {task.fields[note]}"),
             TimeElapsedColumn(),
             console=log_console(),
         )
@@ -91,13 +94,13 @@ class StoredProgress:
             return  # errors itself
         if state is None:
             return
-        self.progress.update(self.task, completed=state.report_index, note=_note(state))
+        self.progress.update(self.task, completed=state.reports, note=_note(state))
         if state.status == "finished" and self.progress.tasks[0].total is None:
-            self.progress.update(self.task, total=state.report_index)  # now it is known
+            self.progress.update(self.task, total=state.reports)  # now it is known
 
 
 def _note(state: RunState) -> str:
-    parts = [f"checkpoint at step {state.report_index}"] if state.latest else []
+    parts = [f"checkpoint at report {state.report_index}"] if state.latest else []
     if state.failures:
-        parts.append(f"{len(state.failures)} failure{'s' if len(state.failures) > 1 else ''}")
+        parts.append(plural(len(state.failures), "failure"))
     return ", ".join(parts)

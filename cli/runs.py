@@ -3,7 +3,9 @@
 `status` prints one run: status, checkpoints, failures, what each recovery cost, metrics, the
 config it last trained with, and the driver that holds it. `list` prints a table, one row per
 run under a storage path. With `--json` both print one JSON document for scripts instead: every
-retained checkpoint (path, step, metrics), every failure, the final metrics.
+retained checkpoint (path, report, metrics), every failure, what each recovery cost (reports
+lost, the gap), the final metrics. Progress is counted in reports (DESIGN.md's vocabulary): the
+`REPORTS` column and `"reports"` are `RunState.reports`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .common import (
     run_config,
     validation_message,
 )
-from .output import print_recoveries, print_summary, recoveries
+from .output import print_recoveries, print_summary, recovery_costs
 
 HEADER = ("NAME", "STATUS", "REPORTS", "CHECKPOINTS", "FAILURES", "UPDATED (UTC)", "DRIVER")
 
@@ -84,7 +86,8 @@ def show_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         lease = None
     if args.json:
         doc = _run_doc(storage, state, entries, lease)
-        print(json.dumps({**doc, "recoveries": recoveries(state)}, indent=2))
+        costs = [r.doc() for r in recovery_costs(state)]
+        print(json.dumps({**doc, "recoveries": costs}, indent=2))
         return EXIT_OK
     print(f"Run {args.name!r}")
     print_summary(result)
@@ -106,13 +109,14 @@ def _run_doc(
         "name": state.name,
         "path": storage.uri(state.name),
         "status": state.status,
-        "reports": state.report_index,
+        "reports": state.reports,  # the run's progress; `step` of a checkpoint is its report
         "checkpoints_kept": state.sealed_chunks * INDEX_CHUNK + len(state.checkpoints),
         "latest_checkpoint": storage.uri(f"{state.name}/{state.latest}") if state.latest else None,
         "checkpoints": [
             {
                 "path": storage.uri(f"{state.name}/{e.dir_name}"),
-                "step": e.report_index,
+                "report": e.report_index,
+                "step": e.report_index,  # the same number, under its old name
                 "metrics": e.metrics,
                 "committed_at": e.committed_at.isoformat(),
             }

@@ -81,7 +81,7 @@ class LiveView(Callback):
     def __init__(self, plan: RunPlan):
         self.plan = plan
         self.ids: dict[str, UUID] = {}
-        self._index, self._metrics = plan.state.report_index, plan.state.metrics or {}
+        self._index, self._metrics = plan.state.reports, plan.state.metrics or {}
         self._shown_at = self._history_at = -float("inf")
         self._lock = threading.Lock()  # the controller's thread and the timer's
         self._timer: threading.Timer | None = None
@@ -126,7 +126,7 @@ class LiveView(Callback):
 
     def final(self) -> None:
         """Everything, as the run stands now (its end, or a rerun of a finished run)."""
-        self._index = self.plan.state.report_index
+        self._index = self.plan.state.reports  # a finished run's last report, not its checkpoint's
         self._metrics = self.plan.state.metrics or self._metrics
         self.refresh()
         self.show_failures()
@@ -141,7 +141,7 @@ class LiveView(Callback):
         state, name = self.plan.state, self.plan.run_config.name
         pct, what = progress(self._index, self._metrics, self.plan.train_loop_config)
         if state.status == "finished":
-            pct, what = 100.0, f"finished at step {state.report_index}"
+            pct, what = 100.0, f"finished at report {state.reports}"
         elif state.status in ("failed", "interrupted"):
             what = f"{state.status} at step {self._index}: {what}"
         self._show(client, "progress", pct, what, create_progress_artifact)
@@ -258,6 +258,7 @@ def failure_rows(state: RunState, max_failures: int) -> list[dict[str, Any]]:
                 "charged": f.charged,
                 "budget left": left,
                 "error": f.error,
+                "traceback": f.traceback,  # the console shows one line; the whole of it is here
             }
         )
     return rows

@@ -4,12 +4,17 @@ Events, on the resource `ft-train.run.{name}` (related to the flow run that emit
 soon as the driver has recorded what it tells of (controller callbacks). An automation can act on them: a notification
 on a failure, a run that starts when another finishes.
 
-    ft-train.checkpoint.committed   a checkpoint is committed: step, metrics, path
-    ft-train.failure                a failure is recorded: kind, rank, step, error, charged
+    ft-train.checkpoint.committed   a checkpoint is committed: reports, metrics, path
+    ft-train.failure                a failure is recorded: kind, rank, step, reports, error, charged
     ft-train.run.restarted          an attempt after the first started (a retry of the task
                                     run, or a driver's takeover): attempt, step, restored, ranks
-    ft-train.run.finished           the run ended: status, step, metrics, path
+    ft-train.run.finished           the run ended: status, reports, metrics, path
     ft-train.run.failed             (and error, for a failed one)
+
+Counts are in reports (DESIGN.md's vocabulary), the number `ft-train list` shows: `reports` is
+the run's progress (`RunState.reports`; a failure's: the newest round every rank had made).
+`step`, the name these fields had before, stays in each payload with the same number (a
+failure's `step` is its rank's own report count), for automations written against it.
 
 Artifacts, at the end of a flow run that finished or failed (not one interrupted): a table of
 the run's checkpoints with their metrics (the newest `MAX_ROWS`) and a summary. Those kept
@@ -70,7 +75,8 @@ class RunEvents(Callback):
         self._emit(
             "checkpoint.committed",
             {
-                "step": state.report_index,
+                "reports": state.reports,
+                "step": state.reports,
                 "metrics": entry.metrics if entry else {},
                 "path": self.plan.storage.uri(f"{state.name}/{state.latest}"),
             },
@@ -81,7 +87,8 @@ class RunEvents(Callback):
             return  # interrupted: the next flow run goes on with it
         payload: dict[str, Any] = {
             "status": state.status,
-            "step": state.report_index,
+            "reports": state.reports,
+            "step": state.reports,
             "metrics": state.metrics or {},
             "path": self.plan.storage.uri(state.name),
         }
@@ -128,7 +135,7 @@ def _summary(plan: RunPlan, state: RunState, kept: int) -> str:
         f"# Run `{state.name}`: {state.status}",
         "",
         f"- **path**: `{plan.storage.uri(state.name)}`",
-        f"- **step**: {state.report_index}",
+        f"- **reports**: {state.reports}",
         f"- **checkpoints kept**: {kept}" + (f", latest `{state.latest}`" if state.latest else ""),
         f"- **failures**: {len(state.failures)} ({charged} charged to max_failures="
         f"{plan.run_config.failure_config.max_failures})",

@@ -25,6 +25,7 @@ from ft_train.driver.prepare import RunPlan, make_controller
 from ft_train.driver.prepare import prepare_run as _prepare_run
 from ft_train.errors import AttemptFailed
 from ft_train.storage.metric_history import MetricHistory, load_history
+from ft_train.wording import plural
 
 from .live import LiveView
 from .publish import publish_artifacts
@@ -144,8 +145,9 @@ def finalize(plan: RunPlan, view: LiveView | None = None) -> ft_train.TrainResul
     )
     log = get_run_logger()
     log.info(
-        f"run {plan.run_config.name!r} {result.status}: {len(result.best_checkpoints)} checkpoints "
-        f"kept, {len(result.failures)} failures, at {result.path}"
+        f"run {plan.run_config.name!r} {result.status}: "
+        f"{plural(len(result.best_checkpoints), 'checkpoint')} kept, "
+        f"{plural(len(result.failures), 'failure')}, at {result.path}"
     )
     try:
         publish_artifacts(plan, entries, view)

@@ -27,6 +27,7 @@ import pickle
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .. import knobs
@@ -50,6 +51,8 @@ from ..storage.run_state import (
     RunStore,
     now,
 )
+from ..wording import after_report, plural
+from ..worker.journal import Reached, reached
 from ..worker.warm import TORCH
 from .callbacks import Callback, notify
 from .clock import Clock, SystemClock
@@ -125,6 +128,7 @@ class Controller:
         self._watching = self._warming = False
         self._segment: Segment | None = None  # a checkpoint committed by the last step
         self._last_progress_log = self.clock.monotonic()
+        self._last_round_at: datetime | None = None  # when the newest round reached the driver
         # log and warn through self: a caller may replace them after construction
         self._watch = GroupWatch(
             self.events,
@@ -187,6 +191,8 @@ class Controller:
                     attempt=self._attempt(),
                     step=self._last_index(),
                     charged=False,
+                    reports=self.state.reports,
+                    last_report_at=self._last_round_at,
                 )
                 self.state.failures.append(interrupt)
                 notify(self.callbacks, "on_failure", interrupt)
@@ -256,11 +262,11 @@ class Controller:
             restored_snapshot=snap.name if snap else None,
         )
         self.state.attempts.append(record)
-        self.state.status = "running"
+        self.state.status, self.state.reports = "running", start
         self.store.save(self.state)
         where = f"checkpoint {self.state.latest}" if self.state.latest else "scratch"
         where = f"in-memory {snap.name}" if snap is not None else where
-        self.log(f"attempt {attempt}: {len(group.addresses)} ranks started from {where}")
+        self.log(f"attempt {attempt}: {plural(len(group.addresses), 'rank')} started from {where}")
         notify(self.callbacks, "on_attempt_started", record)
         return Running(Attempt(group, ReportRounds(len(group.addresses), start)))
 
@@ -301,11 +307,12 @@ class Controller:
     def _on_round(self, s: State, rnd: Round) -> State:
         """A round every rank reported: commit its checkpoint, if it has one."""
         self.last_metrics = rnd.metrics
+        self._progressed(rnd.index)
         notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
         if rnd.dir_name is None:
             if self.clock.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
                 self._last_progress_log = self.clock.monotonic()
-                self.log(f"step {rnd.index}: {_fmt(rnd.metrics)}")
+                self.log(f"report {rnd.index}: {_fmt(rnd.metrics)}")
             return s
         if (conflict := label_conflict(rnd)) is not None:
             return self._errored(SessionError(conflict))
@@ -328,13 +335,14 @@ class Controller:
             self.log(f"round {rnd.index} not committed: {conflict}")
             return
         self.last_metrics = rnd.metrics
+        self.state.reports = max(self.state.reports, rnd.index)  # saved with the commit
         if (shared := collision_warning(rnd)) is not None:  # DESIGN.md, storage invariant 3
             self.warn(shared)
         dropped = self.manager.commit(
             self.state, rnd.dir_name, rnd.index, rnd.metrics, rnd.files, self._attempt()
         )
         self.log(
-            f"checkpoint {rnd.dir_name} committed at step {rnd.index}{how}: {_fmt(rnd.metrics)}"
+            f"checkpoint {rnd.dir_name} committed at report {rnd.index}{how}: {_fmt(rnd.metrics)}"
             + (f" (deleted {len(dropped)} older)" if dropped else "")
         )
         notify(self.callbacks, "on_checkpoint_committed", self.state.latest_entry(), self.state)
@@ -364,12 +372,13 @@ class Controller:
         self.return_value = self._return_value(attempt)
         attempt.group.read_journals()  # every report arrived: the journals only take room now
         self.cluster.drop_snapshots(self._run_uri)  # and the snapshots
-        self.state.status = "finished"
+        self.state.status, self.state.reports = "finished", attempt.rounds.last_index
         self.state.final_metrics = self.last_metrics
         self.store.save(self.state)
         self.manager.collect_orphans(self.state)
         self.log(
-            f"training finished after {attempt.rounds.last_index} steps: {_fmt(self.last_metrics)}"
+            f"training finished after {plural(attempt.rounds.last_index, 'report')}: "
+            f"{_fmt(self.last_metrics)}"
         )
         return Finished()
 
@@ -415,6 +424,8 @@ class Controller:
         restores from it; a driver killed in between leaves a committed checkpoint."""
         self.dead_workers |= attempt.group.stop(grace_s=self.stop_grace_s, kill_first=kill_first)
         journals = attempt.group.read_journals(skip=lost)
+        if (got := reached(journals, len(attempt.group.addresses))) is not None:
+            self._reached(got)  # reports that had not reached the driver count as progress
         if (rnd := attempt.rounds.recover(journals)) is not None:
             notify(self.callbacks, "on_report", rnd.index, rnd.metrics)
             self._commit(rnd, " (recovered from the ranks' journals)")
@@ -486,11 +497,11 @@ class Controller:
         self.dead_workers |= group.stop(grace_s=self.stop_grace_s)
         self.warn(
             f"checkpoint {damaged} is damaged ({exc.error}); restoring from "
-            f"{previous.dir_name} (step {previous.report_index})"
+            f"{previous.dir_name} (report {previous.report_index})"
         )
         error = (
             f"{exc.error}; checkpoint {damaged} dropped, the run goes on from "
-            f"{previous.dir_name} (step {previous.report_index})"
+            f"{previous.dir_name} (report {previous.report_index})"
         )
         return self._judge(self._uncharged(rank, exc.step, error, group.attempt))
 
@@ -517,7 +528,7 @@ class Controller:
         step = s.attempt.rounds.last_index
         ranks = [group.addresses.index(a) for a in leaving if a in group.addresses]
         what = f"saved {jit} in time" if jit else "no checkpoint was saved in time"
-        self.log(f"ranks {ranks} preempted at step {step}: {what}; restarting elsewhere")
+        self.log(f"ranks {ranks} preempted {after_report(step)}: {what}; restarting elsewhere")
         return self._judge(
             FailureRecord(
                 kind=FailureKind.PREEMPTION,
@@ -537,19 +548,24 @@ class Controller:
         if (rnd := attempt.rounds.recover(attempt.group.read_journals())) is not None:
             self._commit(rnd, " (recovered from the ranks' journals)")
         self.log(
-            f"growing the group of {len(attempt.group.addresses)} ranks (a resize, not a failure)"
+            f"growing the group of {plural(len(attempt.group.addresses), 'rank')} "
+            "(a resize, not a failure)"
         )
         return Restarting()
 
     def _judge(self, failure: FailureRecord) -> State:
         """Record `failure` and go where the failure policy says: Restarting, or Errored."""
         cfg = self.failure_config
+        if failure.reports is None:  # the run's progress when it failed: what a restart costs
+            failure.reports, failure.last_report_at = self.state.reports, self._last_round_at
         self.state.failures.append(failure)
         notify(self.callbacks, "on_failure", failure)
         decision = failure_policy.decide(
             failure, self.state, cfg.max_failures, cfg.max_preemption_failures, self.start_failures
         )
         if decision is failure_policy.Decision.RAISE:
+            if failure.traceback:  # the run ends on it: not an expected failure, show where
+                self.warn(f"rank {failure.rank} {after_report(failure.step)}:\n{failure.traceback}")
             return self._errored(
                 failure_policy.final_error(failure, self.state, cfg, self.start_failures)
             )
@@ -580,13 +596,39 @@ class Controller:
             if max_failures == -1
             else f"{self.state.charged_failures} of {max_failures}"
         )
+        state = self.state
+        where = f"{state.latest} (report {state.report_index})" if state.latest else "scratch"
+        if self.plan.snapshot_every:  # only a run that keeps in-memory snapshots is told of them
+            where = (
+                f"the newest in-memory snapshot still held, if newer than report "
+                f"{state.report_index}, else from {where}"
+            )
+        error = failure.error.splitlines()[0] if failure.error else ""
         return AttemptFailed(
-            f"rank {failure.rank} failed ({failure.kind}) at step {failure.step}: {failure.error}. "
-            f"Restarting from the newest in-memory snapshot still held, if newer than step "
-            f"{self.state.report_index}, else from {self.state.latest or 'scratch'} (failure "
-            f"{budget} allowed by max_failures)",
+            f"rank {failure.rank} failed ({failure.kind}) {after_report(failure.step)}: {error}. "
+            f"Restarting from {where} (failure {budget} allowed by max_failures)",
             failure.model_dump(mode="json"),
         )
+
+    def _progressed(self, index: int) -> None:
+        """Round `index` reached the driver: the run's progress, and the end of a restart's gap
+        at the attempt's first round (saved with the next write of the run state)."""
+        self._last_round_at = now()
+        self.state.reports = index
+        record = self.state.attempts[-1] if self.state.attempts else None
+        if record is not None and record.first_report_at is None:
+            record.first_report_at = self._last_round_at
+
+    def _reached(self, got: Reached) -> None:
+        """What the stopped group's journals say every rank reached: the run's progress, if
+        newer than the rounds the driver has (their reports may have died queued in a rank);
+        and when the attempt first reported, if none of its reports reached the driver."""
+        if got.index > self.state.reports:
+            self.state.reports = got.index
+            self._last_round_at = datetime.fromtimestamp(got.at, UTC)
+        record = self.state.attempts[-1] if self.state.attempts else None
+        if record is not None and record.first_report_at is None and got.first_at is not None:
+            record.first_report_at = datetime.fromtimestamp(got.first_at, UTC)
 
     def _stop_now(self) -> None:
         """Stop the running group's ranks at once, if any; the driver is leaving the run."""

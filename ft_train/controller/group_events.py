@@ -13,6 +13,7 @@ group's methods calls only those that pass word to its ranks (`give_notice`, `re
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +33,13 @@ from ..protocol import (
     WorkerLost,
 )
 from ..storage.run_state import FailureKind
+from ..wording import after_report
 from .clock import Clock
 from .ports import Cluster
 from .rounds import Round
 from .state import Attempt, GroupState, Preempting, State, Suspect
+
+logger = logging.getLogger("ft_train")
 
 # -- outcomes: what the controller carries out -----------------------------------------------
 
@@ -224,7 +228,11 @@ class GroupWatch:
     def _rank_raised(self, s: GroupState, rank: int, exc: RankFailure) -> Outcome:
         """Fail the group; where the rank raised on what it restored from, the controller
         may restart from something older instead."""
-        self.warn(f"rank {rank} raised at step {exc.step}:\n{exc.traceback}")
+        # One line for what is expected of a fault-tolerant run; the traceback at DEBUG, and kept
+        # in the failure's record (`ft-train status --json`, the UI's failures table).
+        first_line = exc.error.splitlines()[0] if exc.error else ""
+        self.warn(f"rank {rank} raised {after_report(exc.step)}: {first_line}")
+        logger.debug("rank %d raised %s:\n%s", rank, after_report(exc.step), exc.traceback)
         if exc.damaged is not None:
             return RestoreFailed(s, rank, exc)
         return GroupFailed(

@@ -133,7 +133,7 @@ def collision_warning(rnd: Round) -> str | None:
         f"{rel!r} by ranks {', '.join(map(str, ranks))}" for rel, ranks in sorted(shared.items())
     )
     return (
-        f"checkpoint {rnd.dir_name} (step {rnd.index}): several ranks attached a file of the same "
+        f"checkpoint {rnd.dir_name} (report {rnd.index}): several ranks attached a file of the same "
         f"name: {which}. The lowest rank's file is kept and the others' discarded; to keep every "
         "rank's, give each its own name (e.g. f'state-{rank}.pt'), or attach it from one rank only"
     )

@@ -10,6 +10,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from ..config import RunConfig, ScalingConfig, name_of
@@ -22,6 +23,7 @@ from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.fs import Storage
 from ..storage.metric_history import MetricHistory, load_history
 from ..storage.run_state import STATE_FILE, FailureKind, FailureRecord, RunState, RunStore
+from ..worker import journal
 from ..worker.rank import load_train_loop
 from . import resume
 from .lease import LEASE_FILE, RunLease
@@ -283,13 +285,16 @@ def _resume(
     spent the driver-restart budget (the run state then says so)."""
     if state.status == "running" and crashed:
         # The previous driver never recorded an end: it was killed. Not charged to max_failures.
+        reports, last_report_at = _progress_at_crash(state, where)
         state.failures.append(
             FailureRecord(
                 kind=FailureKind.DRIVER_CRASH,
                 error="the previous driver stopped without recording an end",
-                step=state.report_index,
+                step=reports,
                 attempt=len(state.attempts) - 1,
                 charged=False,
+                reports=reports,
+                last_report_at=last_report_at,
             )
         )
     elif state.status in ("failed", "finished"):  # finished: trains on with a changed config
@@ -299,9 +304,24 @@ def _resume(
     if spent is not None:
         state.status, state.error = "failed", str(spent)
         return spent
-    frm = f"checkpoint {state.latest} (step {state.report_index})" if state.latest else "scratch"
+    frm = f"checkpoint {state.latest} (report {state.report_index})" if state.latest else "scratch"
     log(f"resuming run {state.name!r} at {where} from {frm}")
     return None
+
+
+def _progress_at_crash(state: RunState, where: str) -> tuple[int, datetime]:
+    """How far the crashed driver's run had got, and when. Its ranks' journals say it exactly
+    where they are on this machine (a local cluster's shared memory outlives the kill:
+    `ft_train.worker.journal.progress`); else the run state's last save is all that is known
+    (on a cluster elsewhere, a few reports too few)."""
+    known = (state.reports, state.updated_at)
+    if not state.attempts:
+        return known
+    last = state.attempts[-1]
+    found = journal.progress(journal.run_key(where), last.attempt_id, last.world_size)
+    if found is None or found.index < state.reports:
+        return known
+    return found.index, datetime.fromtimestamp(found.at, UTC)
 
 
 def interrupt_or(error: BaseException) -> BaseException:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from ..config import CheckpointConfig, RunConfig, ScalingConfig
 from ..errors import ConfigError
 from ..storage.run_state import RunState, fingerprint
+from ..wording import plural
 
 TRAINING = ("train_loop", "train_loop_config")  # what is refused changed, unless allowed
 SHOWN = 60  # characters of a value in a message
@@ -115,7 +116,7 @@ def check(
     if policy == "never":
         raise ConfigError(
             f"run_config.resume='never': run {name!r} already exists at {where} ({state.status}, "
-            f"{state.report_index} reports); use another run_config.name, or set resume='auto' "
+            f"{plural(state.reports, 'report')}); use another run_config.name, or set resume='auto' "
             "to resume it"
         )
     training, other = _changed(state, new)

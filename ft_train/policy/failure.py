@@ -12,6 +12,7 @@ from .. import knobs
 from ..config import FailureConfig
 from ..errors import RankError, TrainingFailedError, WorkerGroupError
 from ..storage.run_state import FailureKind, FailureRecord, RunState
+from ..wording import after_report, plural
 
 
 class Decision(enum.Enum):
@@ -62,7 +63,8 @@ def final_error(
         count, listed = state.charged_failures, [f for f in recent if f.charged]
         budget = f"max_failures={config.max_failures}"
     message = (
-        f"training failed: {count} failures exceed {budget} "
+        f"training failed: {plural(count, 'failure')} {'exceeds' if count == 1 else 'exceed'} "
+        f"{budget} "
         f"(run_config.failure_config.{budget.split('=')[0]}). "
         f"Failures:\n{describe(listed)}"
     )
@@ -96,7 +98,7 @@ def retries_left(state: RunState, max_failures: int) -> int:
 
 def describe(failures: list[FailureRecord]) -> str:
     return "\n".join(
-        f"  {i}. {f.kind} on rank {f.rank} at step {f.step} (attempt {f.attempt}, "
+        f"  {i}. {f.kind} on rank {f.rank} {after_report(f.step)} (attempt {f.attempt}, "
         f"{f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
         for i, f in enumerate(failures, 1)
     )
@@ -114,13 +116,13 @@ def driver_restarts_spent(state: RunState, config: FailureConfig) -> TrainingFai
     if budget == -1 or len(crashes) <= budget:
         return None
     return TrainingFailedError(
-        f"training failed: its driver crashed {len(crashes)} times, more than "
+        f"training failed: its driver crashed {plural(len(crashes), 'time')}, more than "
         f"max_driver_restarts={budget} (run_config.failure_config.max_driver_restarts); "
         "something kills the driver (its flow process) every time: look at its machine and "
         "logs, then rerun the run by hand (that counts afresh), or raise the setting. "
         "Driver crashes:\n"
         + "\n".join(
-            f"  {i}. at step {f.step} ({f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
+            f"  {i}. {after_report(f.step)} ({f.time:%Y-%m-%d %H:%M:%S}Z): {f.error}"
             for i, f in enumerate(crashes, 1)
         ),
         [f.model_dump(mode="json") for f in state.failures[state.budget_start :]],

@@ -30,7 +30,14 @@ import time
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .. import knobs
 from ..errors import StorageError
@@ -80,6 +87,12 @@ class FailureRecord(_Doc):
     kind: FailureKind
     rank: int | None = None
     step: int | None = None  # the rank's report index when it failed
+    # The run's progress when it failed: the newest report round every rank had made, and when
+    # that round reached the driver (for a driver crash: when the ranks' journals last moved).
+    # What a recovery cost is counted from these (`reports_lost`, `recovery_gap_s`); None in
+    # records stored before they were kept, or where nothing tells.
+    reports: int | None = None
+    last_report_at: datetime | None = None
     error: str = ""
     time: datetime = Field(default_factory=now)
     attempt: int = 0
@@ -110,6 +123,8 @@ class AttemptRecord(_Doc):
     start_report_index: int = 0
     started_at: datetime = Field(default_factory=now)
     restored_snapshot: str | None = None  # an in-memory snapshot round newer than restored_from
+    # When the attempt's first report round reached the driver: the end of a recovery's gap.
+    first_report_at: datetime | None = None
 
 
 class RunState(_Doc):
@@ -120,6 +135,11 @@ class RunState(_Doc):
     # The config the run last trained with (`ft_train.driver.resume.config_doc`); None if stored before.
     config: dict[str, Any] | None = None
     report_index: int = 0  # report rounds covered by the latest committed checkpoint
+    # The run's progress, in reports (DESIGN.md's vocabulary): the newest report round every
+    # rank made, as of the last save. A finished run's is its last report (a run that reported
+    # 20 times, its last checkpoint at report 18, has 20); a restart sets it back to the round
+    # it resumes from. What `ft-train list`, `status --json`, the progress bar and the events show.
+    reports: int = 0
     # The newest retained checkpoints, commit order. Older ones are in the sealed chunks.
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)
     sealed_chunks: int = Field(0, ge=0)  # chunks 0..sealed_chunks-1 hold the ones before these
@@ -135,6 +155,12 @@ class RunState(_Doc):
     error_type: str | None = None
     created_at: datetime = Field(default_factory=now)
     updated_at: datetime = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _at_least_the_checkpoint(self) -> RunState:
+        # Runs stored before `reports` was kept: their latest checkpoint's round is all we know.
+        self.reports = max(self.reports, self.report_index)
+        return self
 
     @property
     def charged_failures(self) -> int:

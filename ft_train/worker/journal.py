@@ -9,6 +9,9 @@ node's shared memory (tmpfs), which outlive its process:
 - `rank-{r}.index`: the highest report index that returned, 8 bytes rewritten in place by one
   `pwrite` (a process killed next cannot tear it). The file exists once the rank has joined its
   process group;
+- `rank-{r}.first`: when the rank first returned from report() in this attempt (8 bytes,
+  epoch seconds, written once): where a restart's wait ended, should the driver have received
+  none of the attempt's reports (it counts what a recovery cost: `reached`);
 - `rank-{r}.jsonl`: every checkpoint message, one line each, as sent to the driver. An
   asynchronous upload writes an intent line (`"upload": "pending"`) before `report()` returns
   and the full message once its files are stored: a round with an intent and no message is
@@ -34,11 +37,13 @@ import shutil
 import struct
 import tempfile
 import threading
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 from ..protocol import Report, UploadIntent
 
 _INDEX = struct.Struct("<q")
+_TIME = struct.Struct("<d")
 
 
 def shared_memory() -> str | None:
@@ -72,17 +77,27 @@ class Journal:
         self._lines: list[tuple[int, bytes]] = []  # (report index, line), as in the file
         self._lines_fd = os.open(self._lines_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._index_fd: int | None = None
+        self._start: int | None = None  # the start report index, until the first report
 
     def joined(self, index: int) -> None:
         """The rank joined its process group; `index` is its start report index."""
         path = os.path.join(self.dir, f"rank-{self.rank}.index")
         self._index_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         self.reached(index)
+        self._start = index
 
     def reached(self, index: int) -> None:
         """report() `index` is returning."""
         if self._index_fd is not None:
             os.pwrite(self._index_fd, _INDEX.pack(index), 0)
+        if self._start is not None and index > self._start:  # the attempt's first report
+            self._start = None
+            first = os.path.join(self.dir, f"rank-{self.rank}.first")
+            fd = os.open(first, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.pwrite(fd, _TIME.pack(time.time()), 0)
+            finally:
+                os.close(fd)
 
     def append(self, msg: Report | UploadIntent) -> None:
         """A checkpoint message (or an upload's intent); one write, so whole or absent."""
@@ -125,8 +140,10 @@ def _sweep(run_dir: str, keep: str) -> None:
 
 def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dict[str, Any]]:
     """Run on a node (by its nanny): the journals of an attempt's ranks on this node, then
-    removed. rank -> {"index": the highest report that returned, "messages": [...]}; a rank that
-    never joined its group has no "index"."""
+    removed. rank -> {"index": the highest report that returned, "at": when it returned (epoch
+    seconds: the index file's time), "first_at": when its first report of the attempt returned,
+    "messages": [...]}; a rank that never joined its group has no "index", one that never
+    reported no "first_at"."""
     path = os.path.join(root or journal_root(), run, attempt_id)
     found: dict[int, dict[str, Any]] = {}
     try:
@@ -135,19 +152,62 @@ def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dic
         return found
     for name in names:
         stem, _, ext = name.partition(".")
-        if not stem.startswith("rank-") or ext not in ("index", "jsonl"):
+        if not stem.startswith("rank-") or ext not in ("index", "jsonl", "first"):
             continue
         entry = found.setdefault(int(stem[5:]), {"messages": []})
         with open(os.path.join(path, name), "rb") as f:
-            data = f.read()
+            data, at = f.read(), os.fstat(f.fileno()).st_mtime
         if ext == "index" and len(data) == _INDEX.size:
-            entry["index"] = _INDEX.unpack(data)[0]
+            entry["index"], entry["at"] = _INDEX.unpack(data)[0], at
+        elif ext == "first" and len(data) == _TIME.size:
+            entry["first_at"] = _TIME.unpack(data)[0]
         elif ext == "jsonl":
             entry["messages"] = _parse(data)
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):  # the run's directory, once it holds no attempt
         os.rmdir(os.path.dirname(path))
     return found
+
+
+class Reached(NamedTuple):
+    """How far every rank of an attempt got, from their journals (times in epoch seconds)."""
+
+    index: int  # the newest report every rank returned from
+    at: float  # when the last of them returned from it
+    first_at: float | None  # when every rank had returned from its first report; None: not all
+
+
+def progress(run: str, attempt_id: str, ranks: int, root: str | None = None) -> Reached | None:
+    """What an attempt's ranks on this node had reached, read from their index files (left in
+    place), or None unless every one of its `ranks` ranks' file is here (`reached`). A new
+    driver asks it of the attempt its crashed predecessor was running: the ranks' progress past
+    the run state's last save, which died with that driver."""
+    path = os.path.join(root or journal_root(), run, attempt_id)
+    found: dict[int, dict[str, Any]] = {}
+    for rank in range(ranks):
+        try:
+            with open(os.path.join(path, f"rank-{rank}.index"), "rb") as f:
+                data, at = f.read(), os.fstat(f.fileno()).st_mtime
+        except OSError:
+            return None
+        if len(data) == _INDEX.size:
+            found[rank] = {"index": _INDEX.unpack(data)[0], "at": at}
+    return reached(found, ranks)
+
+
+def reached(journals: dict[int, dict[str, Any]], ranks: int) -> Reached | None:
+    """From `ranks` ranks' journals (as `collect` reads them): how far every one of them got;
+    None unless every rank's index is there (a lost node's ranks: what they reached is
+    unknown)."""
+    got = [j for r, j in journals.items() if r < ranks and "index" in j]
+    if len(got) < ranks or not got:
+        return None
+    index = min(j["index"] for j in got)
+    # A rank further on reached `index` before its file's time: the newest that stopped there.
+    at = max(j["at"] for j in got if j["index"] == index)
+    firsts = [j.get("first_at") for j in got]
+    first_at = None if None in firsts else max(f for f in firsts if f is not None)
+    return Reached(index, at, first_at)
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:

@@ -43,7 +43,7 @@ def test_charged_failures_since_the_budget_was_reset_are_the_ones_listed():
         state, FailureRecord(kind="process_death", rank=1, step=7, error="killed"), config
     )
     assert decision is Decision.RAISE
-    assert "1 failures exceed max_failures=0" in str(error)
+    assert "1 failure exceeds max_failures=0" in str(error)
     assert "killed" in str(error) and "before the reset" not in str(error)
 
 
