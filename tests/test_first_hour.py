@@ -17,11 +17,11 @@ rendered page does not see):
 
 What the test leaves out of a command: the `python3 -m venv` and `pip install` parts of a line
 (`a && b && c`: what follows them still runs) are skipped, since the project is installed
-already, with its test extra, in the environment that runs the tests; `.venv/bin/X` runs that environment's X, and so do bare
-`prefect` and `ft-train` (its bin directory comes first on PATH). PYTHONPATH names this checkout,
-so the commands import its code (an environment shared by several checkouts has one of them
-installed). Telemetry is off (DO_NOT_TRACK, PREFECT_SERVER_ANALYTICS_ENABLED): the test machine
-may be offline.
+already, with its test extra, in the environment that runs the tests; `.venv/bin/X` runs that
+environment's X, and so do bare `prefect` and `ft-train` (its bin directory comes first on
+PATH). PYTHONPATH names this checkout, so the commands import its code (an environment shared by
+several checkouts has one of them installed). Telemetry is off (DO_NOT_TRACK,
+PREFECT_SERVER_ANALYTICS_ENABLED): the test machine may be offline.
 """
 
 from __future__ import annotations
