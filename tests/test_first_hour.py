@@ -116,7 +116,9 @@ def test_the_documents_mark_what_the_test_cannot_run():
 def without_install(command: str) -> str:
     """`command` without its `python3 -m venv` and `pip install` parts (joined by `&&`)."""
     parts = [p.strip() for p in command.split("&&")]
-    return " && ".join(p for p in parts if not p.startswith("python3 -m venv") and "pip install" not in p)
+    return " && ".join(
+        p for p in parts if not p.startswith("python3 -m venv") and "pip install" not in p
+    )
 
 
 class FirstHour:
