@@ -325,7 +325,9 @@ def test_ranks_that_joined_by_their_journals_do_not_count_as_a_failed_start(make
     ctl, cluster, _ = make(max_failures=-1, workers=30)
     for _ in range(4):
         group = started(ctl)
-        group.journals = {0: {"index": 0, "messages": []}, 1: {"index": 0, "messages": []}}
+        group.journals = {
+            r: {"index": 0, "at": 1.0, "messages": []} for r in (0, 1)
+        }  # as journal.collect reads them
         group.raised(0, "boom", step=0)  # their "started" never reached the driver
         with pytest.raises(AttemptFailed):
             ctl.run_segment()
@@ -373,7 +375,7 @@ def test_a_round_whose_last_report_died_with_its_rank_is_committed_from_the_jour
     ctl, _, _ = make(max_failures=1)
     group = started(ctl).report(4, ranks=[0], checkpoint=True)
     # rank 1 returned from report 4 (no files) and was killed with it still queued
-    group.journals = {1: {"index": 4, "messages": []}}
+    group.journals = {1: {"index": 4, "at": 1.0, "messages": []}}
     group.lost(1)
     with pytest.raises(AttemptFailed):
         ctl.run_segment()
@@ -386,7 +388,7 @@ def test_an_async_upload_that_never_finished_leaves_its_round_uncommitted(make):
     ctl, _, _ = make(max_failures=1)
     group = started(ctl).report(4, ranks=[0], checkpoint=True)
     intent = {"rank": 1, "index": 4, "dir_name": "checkpoint_000004-a0-x", "upload": "pending"}
-    group.journals = {1: {"index": 4, "messages": [intent]}}
+    group.journals = {1: {"index": 4, "at": 1.0, "messages": [intent]}}
     group.lost(1)
     with pytest.raises(AttemptFailed):
         ctl.run_segment()

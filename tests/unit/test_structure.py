@@ -39,30 +39,18 @@ ALLOWED: dict[tuple[str, str], str] = {
         "loader object: the prefix keeps it apart from the loader's attributes"
     ),
     ("ft_train.torch", "loader._ft_non_blocking"): "as loader._ft_device",
-    ("ft_train.worker.forkserver", "forkserver._forkserver"): (
-        "CPython's one fork server, whose preload list has no public getter; "
-        "worker.forkserver is ft-train's adapter of the fork server"
+    ("ft_train.compat.forkserver", "forkserver._forkserver"): (
+        "CPython's one fork server, whose preload list and pid have no public getter; "
+        "compat.forkserver is ft-train's one adapter of it (names checked by "
+        "tests/unit/test_private_apis.py)"
     ),
-    ("ft_train.driver.cluster", "multiprocessing.forkserver._forkserver"): (
-        "TODO: CPython's fork server a second time, outside worker.forkserver (issue 43's "
-        "bullet on private APIs in one adapter each)"
+    ("ft_train.compat.forkserver", "the_server()._forkserver_pid"): "as forkserver._forkserver",
+    ("ft_train.compat.forkserver", "the_server()._preload_modules"): "as forkserver._forkserver",
+    ("ft_train.compat.dask_broker", "scheduler._broker"): (
+        "distributed's Scheduler._broker, to keep no history of a topic's events; "
+        "compat.dask_broker is ft-train's one adapter of it (tests/unit/test_private_apis.py)"
     ),
-    ("ft_train.driver.cluster", "server._forkserver_pid"): (
-        "TODO: as multiprocessing.forkserver._forkserver"
-    ),
-    ("ft_train.driver.cluster", "server._preload_modules"): (
-        "TODO: as multiprocessing.forkserver._forkserver"
-    ),
-    ("ft_train.worker.forkserver", "forkserver._forkserver._preload_modules"): (
-        "the fork server's preload list, as forkserver._forkserver"
-    ),
-    ("ft_train.driver.worker_group", "dask_scheduler._broker"): (
-        "TODO: as broker._topics (read with getattr: a distributed without it is left alone)"
-    ),
-    ("ft_train.driver.worker_group", "broker._topics"): (
-        "TODO: distributed's Scheduler._broker, to keep no history of a topic's events; "
-        "belongs in one adapter of distributed (issue 43's bullet on private APIs)"
-    ),
+    ("ft_train.compat.dask_broker", "broker._topics"): "as scheduler._broker",
     ("ft_train.worker.rank", "import torch._dynamo"): (
         "TODO: imported ahead, so that the first DDP does not import it within the "
         "watchdog's time; torch's private APIs want one adapter module of their own"
