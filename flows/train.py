@@ -183,7 +183,7 @@ def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, An
     scaling = parse(ft_train.ScalingConfig, p["scaling_config"], "scaling_config")
     run = parse(ft_train.RunConfig, p["run_config"], "run_config")
     load_train_loop(p["train_loop"])
-    user_callbacks.load_all(run, build=False)  # their imports; built in the flow
+    user_callbacks.load_all(run)  # built to check them, and again in the flow (cheap: at hooks)
     loop_config(p["train_loop_config"])
     check_fits(cluster, scaling)
     return cluster, scaling, run, call

@@ -11,6 +11,9 @@ Hooks run in the driver (the flow's process), never on the ranks, each callback 
 its own (`ft_train.driver.user_callbacks`): a slow or unreachable tracker never delays failure
 detection or a commit, and a hook that raises is logged and never fails the run. Every hook is
 called with keyword arguments, as Ray calls its own: an override MUST keep the parameter names.
+A callback given by path is built in the driver, and once more before a Python call starts
+anything (to refuse bad kwargs at once): its constructor SHOULD only keep its arguments, and
+connect at its first hook.
 """
 
 from __future__ import annotations
@@ -162,22 +165,17 @@ def hide(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_all(run_config: RunConfig, build: bool = True) -> list[UserCallback]:
-    """The callbacks of `run_config`, imported (and, with `build`, built) in the driver.
-    ConfigError naming the item and the fix if a path does not import, names no UserCallback,
-    or its class refuses the kwargs. Without `build`, only the imports are checked (a Python
-    call's check, before Prefect starts): the list is empty."""
-    found = [
-        load(item, f"run_config.callbacks[{i}]", build)
-        for i, item in enumerate(run_config.callbacks)
-    ]
-    return [c for c in found if c is not None]
+def load_all(run_config: RunConfig) -> list[UserCallback]:
+    """The callbacks of `run_config`, imported and built in the driver. ConfigError naming the
+    item and the fix if a path does not import, names no UserCallback, or its class refuses
+    the kwargs."""
+    return [load(item, f"run_config.callbacks[{i}]") for i, item in enumerate(run_config.callbacks)]
 
 
-def load(item: Any, where: str, build: bool = True) -> UserCallback | None:
-    """The callback `item` stands for (see `load_all`); None without `build`."""
+def load(item: Any, where: str) -> UserCallback:
+    """The callback `item` stands for (see `load_all`)."""
     if isinstance(item, UserCallback):
-        return item if build else None
+        return item
     path, kwargs = (item, {}) if isinstance(item, str) else (item["callback"], item["kwargs"])
     module_name, attr = _split(path, where)
     try:
@@ -191,8 +189,6 @@ def load(item: Any, where: str, build: bool = True) -> UserCallback | None:
     for part in attr.split("."):
         target = getattr(target, part, None)
     if isinstance(target, type) and issubclass(target, UserCallback):
-        if not build:
-            return None
         try:
             return target(**credentials.reveal(kwargs))
         except Exception as e:
@@ -201,7 +197,7 @@ def load(item: Any, where: str, build: bool = True) -> UserCallback | None:
                 f"{e}; fix the kwargs given with it"
             ) from None
     if isinstance(target, UserCallback) and not kwargs:
-        return target if build else None
+        return target
     what = "nothing" if target is None else f"a {type(target).__name__}"
     raise ConfigError(
         f"{where} {path!r}: names {what}, not a subclass of ft_train.UserCallback"
