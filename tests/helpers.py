@@ -175,3 +175,17 @@ def stored_by_prefect(names: list[str]) -> dict[str, str]:
         assert any(e.event == "ft-train.checkpoint.committed" for e in events)
         stored["events"] = json.dumps([e.model_dump(mode="json") for e in events])
     return stored
+
+
+def start_driver_process(args: dict, api_url: str, log: Path) -> subprocess.Popen:
+    """`tests/driver_script.py` with `args` (its JSON arguments) in a process group of its own
+    (the driver and its local Dask cluster), for a test that kills the driver."""
+    env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(Path(REPO) / "tests" / "driver_script.py"), json.dumps(args)],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

@@ -53,7 +53,7 @@ def _timings(path: str, name: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("step_s", [0.003, 0.1], ids=["3ms-steps", "100ms-steps"])
 def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
-    tmp_path, prefect_api, monkeypatch, caplog, step_s
+    tmp_path, prefect_api, monkeypatch, step_s
 ):
     path = str(tmp_path / "runs")
     kill = {"rank": 1, "step": 13, "kind": "kill"}
@@ -72,10 +72,14 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
         recorder,  # instances, in a Python call
         ray_style,
     ]
-    with caplog.at_level(logging.WARNING, logger="ft_train"):
+    logged = _Kept()  # the ft_train logger's records (Prefect's logging config stops propagation)
+    logging.getLogger("ft_train").addHandler(logged)
+    try:
         result = _train(
             path, "watched", callbacks, [{**kill, "marker": str(tmp_path / "k1")}], step_s
         )
+    finally:
+        logging.getLogger("ft_train").removeHandler(logged)
     assert result.status == "finished" and result.metrics["step"] == STEPS
 
     # Neither recovery nor the reports waited for the callbacks (a generous bound: one 5 s
@@ -88,7 +92,7 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     assert rate > base_rate / 3, (rate, base_rate)
 
     # The one that raises: logged once per hook, and the run finished.
-    raised = [r.getMessage() for r in caplog.records if "Raising." in r.getMessage()]
+    raised = [m for m in logged.messages if "Raising." in m]
     for hook in ("after_report", "after_checkpoint", "after_exception", "after_failure"):
         assert sum(f"Raising.{hook} raised" in m for m in raised) == 1, raised
 
@@ -131,6 +135,15 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     runs = Storage(path)
     for file in runs.fs.find(path):
         assert not any(p.encode() in runs.fs.cat(file) for p in planted), file
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _sha(text: str) -> str:
