@@ -35,6 +35,7 @@ def with_credentials(run: ft_train.RunConfig) -> ft_train.RunConfig:
             "credential in a block named by run_config.credentials_block (e.g. "
             "'secret/s3-credentials') or in the workers' environment (AWS_* variables)"
         )
+    refuse_callback_credentials(run)
     if run.credentials_block is None:
         return run
     options = dict(run.storage_options)
@@ -42,6 +43,21 @@ def with_credentials(run: ft_train.RunConfig) -> ft_train.RunConfig:
         mine = options.get(k)
         options[k] = {**mine, **v} if isinstance(mine, dict) and isinstance(v, dict) else v
     return run.model_copy(update={"storage_options": credentials.hide(options)})
+
+
+def refuse_callback_credentials(run: ft_train.RunConfig) -> None:
+    """A deployment run whose callback kwargs hold a credential is refused, as storage options
+    are: the Prefect server stored it with the run's parameters."""
+    for i, item in enumerate(run.callbacks):
+        kwargs = item.get("kwargs", {}) if isinstance(item, dict) else {}
+        plain = credentials.hidden(kwargs)
+        if plain and deployment.id:
+            raise ConfigError(
+                f"run_config.callbacks[{i}].kwargs.{plain[0]} holds a credential, which the "
+                "Prefect server stored with this deployment run's parameters: delete the flow "
+                "run, and give the credential in the environment of the process that runs the "
+                "flow (e.g. MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_PASSWORD)"
+            )
 
 
 def block_options(name: str) -> dict[str, Any]:

@@ -22,14 +22,16 @@ import ft_train
 from flows import api, ephemeral
 from flows.credentials import with_credentials
 from flows.deployment_defaults import with_deployment_defaults
+from ft_train import callbacks as user_callbacks
 from ft_train.config import name_of, parse
 from ft_train.driver.cluster import Ahead, check_fits, check_scheduler, start_forkserver
 from ft_train.driver.lease import live_holder
 from ft_train.driver.prepare import interrupt_or, loop_config, make_controller, peek
+from ft_train.driver.user_callbacks import UserCallbacks
 from ft_train.errors import ConfigError
 from ft_train.run_name import generate, is_template, render
 from ft_train.storage.fs import Storage
-from ft_train.storage.run_state import RunStore
+from ft_train.storage.run_state import RunStore, now
 from ft_train.worker.rank import load_train_loop
 from tasks import finalize, prepare_run, provision_workers, train_segment
 from tasks.live import LiveView
@@ -59,14 +61,19 @@ def train_fn(
     run_config = with_credentials(run_config)  # after Prefect stored the parameters
     check_fits(cluster, scaling_config)
     check_scheduler(cluster)  # before prepare_run: a wrong address leaves the storage untouched
+    mine = user_callbacks.load_all(run_config)  # a path that does not import: nothing starts
+    since = now()  # what prepare_run records (a crashed driver's end) is told to the callbacks
     plan = prepare_run(train_loop, train_loop_config, scaling_config, run_config)
     if plan.finished:
         return finalize(plan)
     events, view = RunEvents(plan), LiveView(plan)
     with contextlib.ExitStack() as stack:
+        # the user's callbacks take what is queued last: after the workers and the lease
+        users = stack.enter_context(UserCallbacks.of(mine, plan, scaling_config, since))
         stack.callback(plan.release)  # the run's lease, last: after the workers are gone
         client = provision_workers(cluster, scaling_config, stack)
-        controller = make_controller(plan, client, warm=cluster.preload, callbacks=[events, view])
+        watchers = [events, view, users]
+        controller = make_controller(plan, client, warm=cluster.preload, callbacks=watchers)
         try:
             segment, finished = 0, False
             while not finished:
@@ -182,6 +189,7 @@ def _checked(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, An
     scaling = parse(ft_train.ScalingConfig, p["scaling_config"], "scaling_config")
     run = parse(ft_train.RunConfig, p["run_config"], "run_config")
     load_train_loop(p["train_loop"])
+    user_callbacks.load_all(run)  # built to check them, and again in the flow (cheap: at hooks)
     loop_config(p["train_loop_config"])
     check_fits(cluster, scaling)
     return cluster, scaling, run, call

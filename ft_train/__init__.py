@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from . import collective
+from .callbacks import UserCallback
 from .config import CheckpointConfig, ClusterConfig, FailureConfig, RunConfig, ScalingConfig
 from .errors import (
     ConfigError,
@@ -58,6 +59,7 @@ __all__ = [
     "TrainLoopImportError",
     "TrainResult",
     "TrainingFailedError",
+    "UserCallback",
     "WorkerGroupError",
     "WorkerStartupError",
     "collective",

@@ -16,11 +16,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
+from . import callbacks as user_callbacks
 from . import ray_names, run_name
 from .cluster_config import ClusterConfig
 from .errors import ConfigError
@@ -242,6 +244,40 @@ class RunConfig(_Config):
         "starts the run if there is none; 'never' refuses to start if it exists; 'must' refuses "
         "unless it exists.",
     )
+    callbacks: list[Any] = Field(
+        default_factory=list,
+        description="Driver-side callbacks (ft_train.UserCallback: Ray's after_report and "
+        "after_exception, ft-train's after_checkpoint, after_failure, after_run_end), e.g. "
+        "'ft_train.integrations.mlflow:MLflowCallback'. Each an import path 'pkg.mod:Callback', "
+        "or {'callback': 'pkg.mod:Callback', 'kwargs': {...}}, or (a Python call) an instance. "
+        "They run in the driver, off the controller's thread; one that raises is logged and "
+        "never fails the run. Credentials in kwargs (a token, a password, a URL with a "
+        "password): in a Python call they are held hidden, and Prefect stores '**********'; a "
+        "deployment refuses them: give them in the driver's environment (MLFLOW_TRACKING_TOKEN, "
+        "...).",
+        # a deployment run whose callback kwargs hold credentials is refused by Prefect's server
+        json_schema_extra={
+            "items": {
+                "anyOf": [
+                    {"type": "string", "pattern": r"^[^:\s]+:[^:\s]+$"},
+                    {
+                        "type": "object",
+                        "properties": {
+                            "callback": {"type": "string", "pattern": r"^[^:\s]+:[^:\s]+$"},
+                            "kwargs": {
+                                "type": "object",
+                                "propertyNames": {
+                                    "not": {"pattern": credentials.CREDENTIAL.pattern}
+                                },
+                            },
+                        },
+                        "required": ["callback"],
+                        "additionalProperties": False,
+                    },
+                ]
+            }
+        },
+    )
     allow_train_loop_change: bool = Field(
         False,
         description="Resume a run that exists with a train_loop or train_loop_config other than "
@@ -288,6 +324,25 @@ class RunConfig(_Config):
                 "holding it in run_config.credentials_block, or set it in the environment"
             )
         return credentials.hide(options)
+
+    @field_validator("callbacks", mode="before")
+    @classmethod
+    def _callback_forms(cls, items: Any) -> list[Any]:
+        # The form only: the import happens in the driver (`ft_train.callbacks.load`), where
+        # the callback runs; a config may be built where its module is not installed.
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(
+                "run_config.callbacks: give a list of callbacks, e.g. "
+                "['ft_train.integrations.mlflow:MLflowCallback']"
+            )
+        return [
+            user_callbacks.check_form(item, f"run_config.callbacks[{i}]")
+            for i, item in enumerate(items)
+        ]
+
+    @field_serializer("callbacks", when_used="json")
+    def _callbacks_shown(self, items: list[Any]) -> list[Any]:
+        return [user_callbacks.describe(item) for item in items]  # an instance by its class
 
     @field_validator("credentials_block")
     @classmethod

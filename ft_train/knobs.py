@@ -67,6 +67,13 @@ START_FAILURE_LIMIT = 3
 # Warm spare workers a local CPU cluster starts beyond one per rank: a failed rank's place is
 # taken at once while its nanny restarts the lost process.
 SPARE_WORKERS = 1
+# Reports waiting for one user callback (`RunConfig.callbacks`) at most: a callback slower than
+# the run's reports loses the oldest beyond this (with a warning), never the controller's time.
+# Checkpoints, failures and the end are never dropped: there are few of them.
+CALLBACK_QUEUED_REPORTS = 1000
+# At the run's end the driver waits this long for the user callbacks to take what is queued (a
+# tracker's end status among it), then leaves a callback still busy to itself.
+CALLBACK_DRAIN_S = 30.0
 
 # -- the run's lease -------------------------------------------------------------------------
 

@@ -77,11 +77,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "LoggingConfig": (
             "ft-train logs through Python's logging: set the level of the 'ft_train' logger"
         ),
-        "UserCallback": (
-            "driver-side callbacks (`RunConfig(callbacks=...)`) are not offered yet (issue 44); "
-            "react to Prefect events 'ft-train.checkpoint.committed' and 'ft-train.failure', or "
-            "read `ft_train.TrainResult.from_path` after the run"
-        ),
         "ValidationConfig": (
             "ft-train has no checkpoint validation: validate in the training function and "
             "report the score with `ft_train.report` as a metric"
@@ -121,10 +116,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "storage_filesystem": (
             "give `ft_train.RunConfig.storage_path` as an fsspec URL (s3://bucket/prefix) and "
             "the filesystem's options in `ft_train.RunConfig.storage_options`"
-        ),
-        "callbacks": (
-            "driver-side callbacks are not offered yet (issue 44); react to Prefect events "
-            "'ft-train.checkpoint.committed' and 'ft-train.failure' meanwhile"
         ),
         "worker_runtime_env": (
             "the ranks' environment is their Dask workers': install and set it on the cluster "

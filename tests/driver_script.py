@@ -1,4 +1,5 @@
-"""A driver process for tests that kill the driver: runs the demo flow from JSON arguments."""
+"""A driver process for tests that kill the driver: runs the demo flow (or `train_loop`, with
+`max_failures` and `callbacks`, where given) from JSON arguments."""
 
 import faulthandler
 import json
@@ -17,12 +18,14 @@ if __name__ == "__main__":
     from flows.train import train
 
     train(
-        train_loop=demo.TRAIN_LOOP,
+        train_loop=args.get("train_loop", demo.TRAIN_LOOP),
         train_loop_config=args["config"],
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(
             name=args["name"],
             storage_path=args["storage_path"],
             storage_options=args["storage_options"],
+            failure_config=ft_train.FailureConfig(max_failures=args.get("max_failures", 0)),
+            callbacks=args.get("callbacks", []),
         ),
     )

@@ -193,3 +193,64 @@ def needs(what: str, why_missing: str | None) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{what}: {why_missing}; CI installs it (.ci/run), so this is a failure there")
     pytest.skip(f"{what}: {why_missing}")
+
+
+def stored_by_prefect(names: list[str]) -> dict[str, str]:
+    """Everything the Prefect API holds of the flow runs named `names`, as JSON by where."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.events.filters import EventFilter, EventOccurredFilter
+
+    stored: dict[str, str] = {}
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names))
+        )
+        assert sorted(r.name for r in runs) == sorted(names)
+        ids = [r.id for r in runs]
+        by_id = FlowRunFilter(id=FlowRunFilterId(any_=ids))
+        for run in runs:
+            assert run.parameters["run_config"]["name"] in names  # parameters are there
+            stored[f"flow run {run.name}"] = run.model_dump_json()
+        tasks = client.read_task_runs(flow_run_filter=by_id)
+        stored["task runs"] = json.dumps([t.model_dump(mode="json") for t in tasks])
+        logs, offset = [], 0
+        while page := client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=offset
+        ):
+            logs += [log.model_dump(mode="json") for log in page]
+            offset += len(page)
+        assert any("committed" in log["message"] for log in logs)  # the runs' logs are there
+        stored["logs"] = json.dumps(logs)
+        artifacts = client.read_artifacts(flow_run_filter=by_id)
+        assert artifacts  # the runs' artifacts are there
+        stored["artifacts"] = json.dumps([a.model_dump(mode="json") for a in artifacts])
+        since = min(r.created for r in runs if r.created is not None)
+        page = client.read_events(EventFilter(occurred=EventOccurredFilter(since=since)), 50)
+        events = list(page.events)
+        while page.next_page is not None:
+            page = client.read_events_page(page.next_page)
+            events += page.events
+        assert any(e.event == "ft-train.checkpoint.committed" for e in events)
+        stored["events"] = json.dumps([e.model_dump(mode="json") for e in events])
+    return stored
+
+
+def start_driver_process(args: dict, api_url: str, log: Path) -> subprocess.Popen:
+    """`tests/driver_script.py` with `args` (its JSON arguments) in a process group of its own
+    (the driver and its local Dask cluster), for a test that kills the driver."""
+    env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONPATH=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(Path(REPO) / "tests" / "driver_script.py"), json.dumps(args)],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

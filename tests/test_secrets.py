@@ -20,7 +20,7 @@ import ft_train
 from ft_train.storage.credentials import MASK
 from ft_train.storage.fs import Storage
 from tests.conftest import make_s3_target, moto_checks_credentials
-from tests.helpers import DEMO, demo_config
+from tests.helpers import DEMO, demo_config, stored_by_prefect
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -151,7 +151,7 @@ def test_a_planted_secret_is_stored_nowhere(s3_endpoint, monkeypatch):
 
     planted = [v for pair in keys.values() for v in pair]
     names = [f"planted-{how}" for how in WAYS]
-    found = {what: text for what, text in _stored_by_prefect(names).items() if _any(planted, text)}
+    found = {what: text for what, text in stored_by_prefect(names).items() if _any(planted, text)}
     assert not found, f"a credential is stored by Prefect in {sorted(found)}"
     for path, data in _stored_under(target, plain).items():
         assert not _any(planted, data.decode(errors="replace")), path
@@ -165,53 +165,6 @@ WAYS = ("aws", "secret", "plain", "env")
 
 def _any(planted: list[str], text: str) -> bool:
     return any(p in text for p in planted)
-
-
-def _stored_by_prefect(names: list[str]) -> dict[str, str]:
-    """Everything the Prefect API holds of the flow runs named `names`, as JSON by where."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        FlowRunFilterName,
-        LogFilter,
-        LogFilterFlowRunId,
-    )
-    from prefect.events.filters import EventFilter, EventOccurredFilter
-
-    stored: dict[str, str] = {}
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names))
-        )
-        assert sorted(r.name for r in runs) == sorted(names)
-        ids = [r.id for r in runs]
-        by_id = FlowRunFilter(id=FlowRunFilterId(any_=ids))
-        for run in runs:
-            assert run.parameters["run_config"]["name"] in names  # parameters are there
-            stored[f"flow run {run.name}"] = run.model_dump_json()
-        tasks = client.read_task_runs(flow_run_filter=by_id)
-        stored["task runs"] = json.dumps([t.model_dump(mode="json") for t in tasks])
-        logs, offset = [], 0
-        while page := client.read_logs(
-            LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=offset
-        ):
-            logs += [log.model_dump(mode="json") for log in page]
-            offset += len(page)
-        assert any("committed" in log["message"] for log in logs)  # the runs' logs are there
-        stored["logs"] = json.dumps(logs)
-        artifacts = client.read_artifacts(flow_run_filter=by_id)
-        assert artifacts  # the runs' artifacts are there
-        stored["artifacts"] = json.dumps([a.model_dump(mode="json") for a in artifacts])
-        since = min(r.created for r in runs if r.created is not None)
-        page = client.read_events(EventFilter(occurred=EventOccurredFilter(since=since)), 50)
-        events = list(page.events)
-        while page.next_page is not None:
-            page = client.read_events_page(page.next_page)
-            events += page.events
-        assert any(e.event == "ft-train.checkpoint.committed" for e in events)
-        stored["events"] = json.dumps([e.model_dump(mode="json") for e in events])
-    return stored
 
 
 def _stored_under(target, options) -> dict[str, bytes]:

@@ -26,6 +26,12 @@ class Callback:
     def on_checkpoint_committed(self, entry: CheckpointEntry | None, state: RunState) -> None:
         pass
 
+    def on_round_done(
+        self, index: int, rank_metrics: list[dict[str, Any]], entry: CheckpointEntry | None
+    ) -> None:
+        """Round `index` is handled: every rank's metrics (rank order) and the checkpoint it
+        committed, or None (after `on_report`, and `on_checkpoint_committed` if it has one)."""
+
     def on_failure(self, failure: FailureRecord) -> None:
         pass
 

@@ -313,6 +313,7 @@ class Controller:
             if self.clock.monotonic() - self._last_progress_log > knobs.PROGRESS_LOG_EVERY_S:
                 self._last_progress_log = self.clock.monotonic()
                 self.log(f"report {rnd.index}: {_fmt(rnd.metrics)}")
+            notify(self.callbacks, "on_round_done", rnd.index, rnd.rank_metrics, None)
             return s
         if (conflict := label_conflict(rnd)) is not None:
             return self._errored(SessionError(conflict))
@@ -346,6 +347,9 @@ class Controller:
             + (f" (deleted {len(dropped)} older)" if dropped else "")
         )
         notify(self.callbacks, "on_checkpoint_committed", self.state.latest_entry(), self.state)
+        notify(
+            self.callbacks, "on_round_done", rnd.index, rnd.rank_metrics, self.state.latest_entry()
+        )
 
     def _await_last_reports(self, s: Draining) -> State:
         """Every rank returned: wait for its reports still in flight, then finish."""

@@ -29,6 +29,8 @@ class Round:
     deadline: float | None = None
     # report(checkpoint_dir_name=...) of each rank that attached files or passed a name
     labels: dict[int, str | None] = field(default_factory=dict)
+    # every rank's metrics, in rank order (Ray's `UserCallback.after_report` hands them all)
+    rank_metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ReportRounds:
@@ -91,6 +93,7 @@ def _consolidate(index: int, msgs: dict[int, Report]) -> Round:
     the lowest rank's file, with `"ranks"` added."""
     first = msgs[min(msgs)]
     rnd = Round(index, first.metrics, preempted=first.preempted, deadline=first.deadline)
+    rnd.rank_metrics = [msgs[rank].metrics for rank in sorted(msgs)]
     holders: dict[str, list[int]] = {}
     for rank in sorted(msgs):  # lowest first: the first rank to attach a name keeps it
         m = msgs[rank]
