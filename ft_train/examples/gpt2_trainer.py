@@ -13,7 +13,7 @@ scheduler, every rank's RNG, its global_step and data position).
 
 Config keys (all optional): max_steps (default 40; -1 to train `epochs` epochs), epochs,
 save_strategy ("steps" or "epoch"), save_steps, save_total_limit, logging_steps, batch_size,
-lr, seed, output_dir (the Trainer's, shared by the ranks of a host; default under the
+lr, seed, n_sequences (the data set's size, 512), output_dir (the Trainer's, shared by the ranks of a host; default under the
 temporary directory, named after the run), step_s (seconds of simulated compute a step) and
 faults (`ft_train.testing.faults`, at the top of a step: step s is after s steps).
 
@@ -62,22 +62,16 @@ def tiny_gpt2(seed: int):
     return GPT2LMHeadModel(config)
 
 
-def train_fn(config: dict[str, Any]) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def training_args(config: dict[str, Any]):
+    """The Trainer's arguments from the run's config; `output_dir` one per host, shared by its
+    ranks."""
+    from transformers import TrainingArguments
 
-    from ft_train.integrations.transformers import (
-        ReportCallback,
-        prepare_trainer,
-        resume_from_checkpoint,
-    )
-
-    ctx = ft_train.get_context()
-    seed = config.get("seed", 0)
     output_dir = config.get("output_dir") or os.path.join(
-        tempfile.gettempdir(), "ft-train-gpt2", ctx.get_experiment_name()
+        tempfile.gettempdir(), "ft-train-gpt2", ft_train.get_context().get_experiment_name()
     )
-    args = TrainingArguments(
-        output_dir=output_dir,  # one per host, shared by its ranks
+    return TrainingArguments(
+        output_dir=output_dir,
         max_steps=config.get("max_steps", 40),
         num_train_epochs=config.get("epochs", 1),
         per_device_train_batch_size=config.get("batch_size", 8),
@@ -86,28 +80,47 @@ def train_fn(config: dict[str, Any]) -> None:
         save_steps=config.get("save_steps", 10),
         save_total_limit=config.get("save_total_limit"),
         logging_steps=config.get("logging_steps", 5),
-        seed=seed,
+        seed=config.get("seed", 0),
         report_to=[],
         ddp_find_unused_parameters=False,  # every GPT-2 parameter takes part in each step
         disable_tqdm=True,
     )
 
-    class StepHooks(TrainerCallback):
-        """The example's test hooks: injected faults, and simulated compute."""
 
+def step_hooks(config: dict[str, Any]):
+    """A TrainerCallback for the example's tests: injected faults (`faults`) at the top of a
+    step, and simulated compute (`step_s`) at its end."""
+    from transformers import TrainerCallback
+
+    rank = ft_train.get_context().get_world_rank()
+
+    class StepHooks(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            maybe_inject(config.get("faults"), ctx.get_world_rank(), state.global_step)
+            maybe_inject(config.get("faults"), rank, state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
             if step_s := config.get("step_s"):
                 time.sleep(step_s)  # stands in for a bigger model's compute
 
+    return StepHooks()
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    from transformers import Trainer
+
+    from ft_train.integrations.transformers import (
+        ReportCallback,
+        prepare_trainer,
+        resume_from_checkpoint,
+    )
+
+    seed = config.get("seed", 0)
     trainer = Trainer(
         model=tiny_gpt2(seed),
-        args=args,
-        train_dataset=CountingLanguage(seed),
-        callbacks=[ReportCallback(), StepHooks()],
+        args=training_args(config),
+        train_dataset=CountingLanguage(seed, config.get("n_sequences", N_SEQUENCES)),
+        callbacks=[ReportCallback(), step_hooks(config)],
     )
-    trainer = prepare_trainer(trainer)
+    trainer = prepare_trainer(trainer)  # refuses a Trainer that does not see ft-train's group
     with resume_from_checkpoint() as checkpoint:  # None on a fresh run
         trainer.train(resume_from_checkpoint=checkpoint)
