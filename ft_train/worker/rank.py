@@ -200,7 +200,7 @@ def _await_store(host: str, port: int, timeout_s: float) -> None:
 @contextlib.contextmanager
 def _torchrun_environ(spec: RankSpec) -> Iterator[None]:
     """torchrun's variables in this process while the training function runs (one rank per
-    worker process), then the worker's own again."""
+    worker process), then the worker's own again; on CPU ranks accelerate's ACCELERATE_USE_CPU."""
     env = torchrun_environ(
         spec.rank,
         spec.local_rank,
@@ -210,6 +210,11 @@ def _torchrun_environ(spec: RankSpec) -> Iterator[None]:
         spec.master_addr,
         spec.master_port,
     )
+    if not spec.use_gpu:
+        # What `accelerate launch --cpu` sets: accelerate (under the Transformers Trainer) takes
+        # torchrun's variables for a CPU group only with it, and would else train each rank
+        # alone on a machine without a GPU (with one, on the GPU the rank was not given).
+        env["ACCELERATE_USE_CPU"] = "true"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
