@@ -1,0 +1,98 @@
+"""PyTorch Lightning on ft-train (issue 44): a Lightning Trainer on 2 CPU ranks (gloo) with
+ft-train's strategy, environment and report callback, under real faults. A rank SIGKILLed (or
+raising) between two reported checkpoints resumes from the latest one, not step 0, its global step
+continuing from the checkpoint's, and ends at max_steps; a driver killed mid-run is resumed by
+rerunning the flow by name. Both packages (`lightning`, `pytorch_lightning`) and both spellings
+(ft-train's `ft_train.integrations.*`, Ray's `ft_train.lightning`), parametrized across the runs.
+The Trainer's default_root_dir is one directory shared by the ranks (Lightning's own
+ModelCheckpoint writes there too). The training function: tests/lightning_loops.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import ft_train
+from tests.conftest import on_storage
+from tests.helpers import REPO, load_state, run_config, wait_for
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+LOOP = "tests.lightning_loops:train_fn"
+PRELOAD = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
+
+
+def lightning_config(tmp_path, package: str, names: str, **kw) -> dict:
+    # 64 samples, 4 a batch, 2 ranks: 8 steps an epoch; a checkpoint every 2 steps (report 2 is
+    # step 4)
+    return {
+        "package": package,
+        "names": names,
+        "max_steps": 8,
+        "every": 2,
+        "output_dir": str(tmp_path / "lightning-out"),
+        **kw,
+    }
+
+
+def cluster(package: str) -> ft_train.ClusterConfig:
+    # the fork server imports Lightning once: a restarted group's ranks have it at once
+    return ft_train.ClusterConfig(preload=(PRELOAD[package],))
+
+
+def train_lightning(storage, name, config, max_failures=0) -> ft_train.TrainResult:
+    from flows.train import train
+
+    return train(
+        train_loop=LOOP,
+        train_loop_config=config,
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=run_config(storage, name, max_failures),
+        cluster=cluster(config["package"]),
+    )
+
+
+def at(tmp_path, rank: int, step: int, kind: str) -> dict:
+    return {"rank": rank, "step": step, "kind": kind, "marker": str(tmp_path / f"{kind}-{rank}")}
+
+
+@pytest.mark.parametrize(
+    "storage, package, names, kind, step_s",
+    [
+        ("local", "lightning", "ft", "kill", 0),
+        ("s3", "pytorch_lightning", "ray", "kill", 0.25),  # a realistic step time
+        ("local", "lightning", "ray", "raise", 0),
+        ("local", "pytorch_lightning", "ft", "raise", 0),
+    ],
+    indirect=["storage"],
+)
+def test_a_failed_rank_resumes_from_the_latest_reported_checkpoint(
+    storage, tmp_path, package, names, kind, step_s
+):
+    # rank 1 fails at the top of step 5, after the report of step 4 (report index 2)
+    config = lightning_config(tmp_path, package, names, faults=[at(tmp_path, 1, 5, kind)])
+    config["step_s"] = step_s
+    name = f"pl-{kind}-{package}-{names}"
+    result = train_lightning(storage, name, config, max_failures=1)
+
+    assert result.status == "finished" and result.error is None
+    death = "process_death" if kind == "kill" else "exception"
+    assert [(f.kind, f.rank) for f in result.failures] == [(death, 1)]
+    state = load_state(storage, name)
+    assert len(state.attempts) == 2
+    assert state.attempts[1].restored_from.startswith("checkpoint_000002-a0-")
+    # the Trainer restored the checkpoint's global step (4), not 0, and stopped at max_steps
+    assert result.last_metrics["start_step"] == 4
+    assert result.last_metrics["step"] == 8
+    by_attempt = [(c.attempt, c.metrics["step"]) for c in state.checkpoints]
+    assert by_attempt == [(0, 2), (0, 4), (1, 6), (1, 8)]
+    assert [c.metrics["start_step"] for c in state.checkpoints] == [0, 0, 4, 4]
+    with result.checkpoint.as_directory() as d:
+        # rank 0's file; the other rank attached nothing (an empty directory would be refused)
+        assert [f for f in os.listdir(d) if not f.startswith(".")] == ["checkpoint.ckpt"]
