@@ -20,7 +20,7 @@ import pytest
 
 import ft_train
 from tests.conftest import on_storage
-from tests.helpers import REPO, load_state, run_config, wait_for
+from tests.helpers import REPO, fresh, load_state, run_config, wait_for
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -68,7 +68,6 @@ def at(tmp_path, rank: int, step: int, kind: str) -> dict:
         ("local", "lightning", "ft", "kill", 0),
         ("s3", "pytorch_lightning", "ray", "kill", 0.25),  # a realistic step time
         ("local", "lightning", "ray", "raise", 0),
-        ("local", "pytorch_lightning", "ft", "raise", 0),
     ],
     indirect=["storage"],
 )
@@ -96,3 +95,74 @@ def test_a_failed_rank_resumes_from_the_latest_reported_checkpoint(
     with result.checkpoint.as_directory() as d:
         # rank 0's file; the other rank attached nothing (an empty directory would be refused)
         assert [f for f in os.listdir(d) if not f.startswith(".")] == ["checkpoint.ckpt"]
+
+
+EXAMPLE = "ft_train.examples.lightning_digits:train_fn"
+
+
+@on_storage("local")
+def test_the_example_resumes_after_its_driver_is_killed(storage, tmp_path, prefect_api):
+    """The example, run by `ft-train run` as a user would; its driver (the CLI's process and its
+    local cluster) SIGKILLed after the checkpoint of step 6; then the same run from Python by
+    name (TorchTrainer.fit): it resumes at step 6 and ends at max_steps (8, an epoch's end report)."""
+    name = "pl-example"
+    hold = {"rank": 0, "step": 6, "kind": "wait", "marker": str(tmp_path / "hold")}
+    config = {"max_steps": 8, "every_n_train_steps": 3, "output_dir": str(tmp_path / "out")}
+    command = [sys.executable, "-m", "cli", "run", EXAMPLE, "--name", name, "--workers", "2"]
+    command += ["--storage-path", storage.path, "--preload", "lightning.pytorch"]
+    command += ["--preload", "sklearn.datasets"]
+    command += [f"--config={k}={json.dumps(v)}" for k, v in {**config, "faults": [hold]}.items()]
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONPATH=REPO),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the driver and its local cluster
+        )
+    try:
+        wait_for(
+            lambda: (s := load_state(storage, name)) is not None and s.report_index == 2,
+            timeout_s=300,
+            what="the example's checkpoint of step 6",
+        )
+        wait_for(lambda: os.path.exists(hold["marker"]), 60, "rank 0 to hold at step 6")
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    killed = load_state(storage, name)
+    assert killed.status == "running", log.read_text()[-3000:]  # nothing told the run it ended
+    assert killed.checkpoints[-1].metrics["step"] == 6
+
+    import ft_train.torch
+
+    result = ft_train.torch.TorchTrainer(
+        EXAMPLE,
+        train_loop_config={**config, "faults": [hold]},  # the marker exists: it holds no more
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=run_config(storage, name),
+        cluster=ft_train.ClusterConfig(preload=("lightning.pytorch", "sklearn.datasets")),
+    ).fit()
+    state = load_state(storage, name)
+    assert result.status == "finished"
+    assert state.attempts[-1].restored_from == killed.latest
+    assert [(f.kind, f.charged) for f in result.failures] == [("driver_crash", False)]
+    assert [c.metrics["step"] for c in state.checkpoints] == [3, 6, 8]
+    assert result.last_metrics["epoch"] == 0 and result.last_metrics["step"] == 8
+    assert "checkpoint.ckpt" in fresh(storage).list_dir(f"{name}/{state.latest}")
+
+
+def test_import_ft_train_imports_no_lightning():
+    code = (
+        "import sys, ft_train, ft_train.torch, ft_train.integrations; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'lightning', 'pytorch_lightning', 'lightning_fabric'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
