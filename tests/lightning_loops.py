@@ -6,7 +6,8 @@ Config: `package` ("lightning" or "pytorch_lightning"), `names` ("ft": ft-train'
 resuming as Ray's guide does), `max_steps`, `every` (ReportCallback's every_n_train_steps),
 `output_dir` (the Trainer's default_root_dir, shared by the ranks of a host, as users write it),
 `faults` (ft_train.testing.faults, at the top of the step with this global step), `step_s`
-(seconds of simulated compute a step). The metrics carry `start_step`: the global step the Trainer
+(seconds of simulated compute a step), `fsdp` (FSDP on GPU: "full" or "sharded", its
+state_dict_type; default DDP on CPU). The metrics carry `start_step`: the global step the Trainer
 started at (the resumed checkpoint's, or 0).
 """
 
@@ -32,6 +33,7 @@ def names(package: str, kind: str) -> dict[str, Any]:
         assert ray.RayDDPStrategy.__module__ == f"ft_train.integrations.{package}"
         return {
             "strategy": ray.RayDDPStrategy,
+            "fsdp": ray.RayFSDPStrategy,
             "environment": ray.RayLightningEnvironment,
             "callback": ray.RayTrainReportCallback,
             "prepare_trainer": ray.prepare_trainer,
@@ -39,6 +41,7 @@ def names(package: str, kind: str) -> dict[str, Any]:
     ours = importlib.import_module(f"ft_train.integrations.{package}")
     return {
         "strategy": ours.DDPStrategy,
+        "fsdp": ours.FSDPStrategy,
         "environment": ours.FtTrainEnvironment,
         "callback": ours.ReportCallback,
         "prepare_trainer": ours.prepare_trainer,
@@ -90,10 +93,12 @@ def train_fn(config: dict[str, Any]) -> None:
     x = torch.randn(64, 8, generator=g)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True))
     torch.manual_seed(0)  # the same initial weights on every rank
+    fsdp = config.get("fsdp")
     trainer = pl.Trainer(
         max_steps=config["max_steps"],
-        accelerator="cpu",
-        strategy=api["strategy"](),
+        accelerator="gpu" if fsdp else "cpu",
+        devices=1,
+        strategy=api["fsdp"](state_dict_type=fsdp) if fsdp else api["strategy"](),
         plugins=[api["environment"]()],
         callbacks=[
             api["callback"](every_n_train_steps=config.get("every")),

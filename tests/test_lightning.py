@@ -17,9 +17,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ft_train
-from tests.conftest import on_storage
+from tests.conftest import StorageTarget, on_storage
 from tests.helpers import REPO, fresh, load_state, run_config, wait_for
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -166,3 +167,28 @@ def test_import_ft_train_imports_no_lightning():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_fsdp_on_gpu_resumes_after_a_killed_rank(tmp_path, state_dict_type):
+    """FSDPStrategy on one GPU a rank (NCCL): the last rank SIGKILLed at step 5 resumes from the
+    checkpoint of step 4, a full state dict (rank 0's file) or a sharded one (each rank's shard
+    files, in one checkpoint)."""
+    storage = StorageTarget("local", str(tmp_path / "runs"))
+    n = min(2, torch.cuda.device_count())
+    config = lightning_config(tmp_path, "lightning", "ft", fsdp=state_dict_type)
+    config["faults"] = [at(tmp_path, n - 1, 5, "kill")]
+    from flows.train import train
+
+    result = train(
+        train_loop=LOOP,
+        train_loop_config=config,
+        scaling_config=ft_train.ScalingConfig(num_workers=n, use_gpu=True),
+        run_config=run_config(storage, f"pl-fsdp-{state_dict_type}", max_failures=1),
+        cluster=cluster("lightning"),
+    )
+    assert result.status == "finished"
+    assert [f.kind for f in result.failures] == ["process_death"]
+    assert result.last_metrics["start_step"] == 4 and result.last_metrics["step"] == 8
