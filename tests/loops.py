@@ -262,3 +262,16 @@ def local_shards(state_dicts) -> dict:
 def params(model) -> list:
     """The full parameters (every rank's shards), as exact float lists."""
     return [p.full_tensor().detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def in_slurm_jobs(config):
+    """The demo's loop, each rank first writing the SLURM job it runs in to
+    `{config["jobs_dir"]}/rank-{rank}` (tests/test_slurm.py: which job to cancel for a rank)."""
+    from ft_train.examples.digits import train_loop
+
+    rank = ft_train.get_context().get_world_rank()
+    path = os.path.join(config["jobs_dir"], f"rank-{rank}")
+    with open(path + ".tmp", "w") as f:
+        f.write(os.environ.get("SLURM_JOB_ID", ""))
+    os.replace(path + ".tmp", path)
+    train_loop({k: v for k, v in config.items() if k != "jobs_dir"})

@@ -17,6 +17,7 @@ from ..controller.ports import GroupPlan
 from ..errors import WorkerStartupError
 from ..policy.elastic import enough, should_grow
 from ..worker.rank import free_port
+from . import job_queue
 
 logger = logging.getLogger("ft_train")
 
@@ -88,6 +89,7 @@ def await_workers(
                 f"only {len(ready)} of {plan.min_workers} Dask workers were available after "
                 f"{plan.start_timeout_s:.0f}s{also} (scheduler {client.scheduler.address}); add "
                 "workers, or raise scaling_config.worker_start_timeout_s"
+                + job_queue.waiting_jobs(client)
             )
         time.sleep(0.05)  # polling the scheduler's worker list; bounded by the deadlines
 

@@ -12,10 +12,11 @@ scheduler, every rank's RNG, its global_step and data position).
         --config max_steps=60 --config save_steps=20
 
 Config keys (all optional): max_steps (default 40; -1 to train `epochs` epochs), epochs,
-save_strategy ("steps" or "epoch"), save_steps, save_total_limit, logging_steps, batch_size,
-lr, seed, n_sequences (the data set's size, 512), output_dir (the Trainer's, shared by the ranks of a host; default under the
-temporary directory, named after the run), step_s (seconds of simulated compute a step) and
-faults (`ft_train.testing.faults`, at the top of a step: step s is after s steps).
+save_strategy ("steps" or "epoch"), save_steps, save_total_limit, logging_steps, batch_size, lr,
+seed, n_sequences (the data set's size, 512), output_dir (the Trainer's, shared by the ranks of
+a host; default under the temporary directory, named after the run), step_s (seconds of
+simulated compute a step) and faults (`ft_train.testing.faults`, at the top of a step: step s is
+after s steps).
 
 Transformers is imported inside the training function, not with the module: the driver imports
 this module to check that `train_fn` exists, and Transformers' import costs seconds.
