@@ -1,7 +1,7 @@
 """What the Prefect UI shows of a run while it trains: four artifacts of the flow run, created at
 its first update and then updated in place (one version per flow run, not one per update):
 
-    progress        how far the run is (below), and the step it is at
+    progress        how far the run is (below), and the report it is at
     metrics         the metric history as a table (`ft_train.storage.metric_history`: at most
                     256 rows, evenly spaced over the run)
     metrics-plot    the same as a line chart per metric, an image artifact (`tasks.plot`)
@@ -10,7 +10,7 @@ its first update and then updated in place (one version per flow run, not one pe
 
 Progress, in the first of these that the run tells: `total_steps` among the reported metrics
 (report rounds done of it); `epoch` among them with `epochs` in `train_loop_config` (epochs done
-of it); else no total is known, and the progress stays at 0 with "step N, total unknown" in its
+of it); else no total is known, and the progress stays at 0 with "report N, total unknown" in its
 description until the run finishes (100). Progress is updated at most every
 `knobs.UI_UPDATE_EVERY_S`, the history and plot every `knobs.UI_HISTORY_EVERY_S` (each update
 is an API call on the controller's thread), and all of them at each attempt, failure and end.
@@ -45,6 +45,7 @@ from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
 from ft_train.policy.failure import preemptions
 from ft_train.storage.metric_history import MetricHistory
+from ft_train.wording import after_report
 from ft_train.storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
 
 from . import plot
@@ -58,10 +59,10 @@ def progress(index: int, metrics: dict[str, Any], config: dict[str, Any]) -> tup
     `metrics`; percent 0 when no total is known."""
     total, epoch, epochs = metrics.get("total_steps"), metrics.get("epoch"), config.get("epochs")
     if _positive(total):
-        return _pct(index, total), f"step {index} of {total:g} (total_steps reported)"
+        return _pct(index, total), f"report {index} of {total:g} (total_steps reported)"
     if _positive(epochs) and isinstance(epoch, (int, float)):
-        return _pct(epoch, epochs), f"epoch {epoch:g} of {epochs:g} done, step {index}"
-    return 0.0, f"step {index}, total unknown (report total_steps with the metrics to show one)"
+        return _pct(epoch, epochs), f"epoch {epoch:g} of {epochs:g} done, report {index}"
+    return 0.0, f"report {index}, total unknown (report total_steps with the metrics to show one)"
 
 
 def _positive(value: Any) -> TypeGuard[float]:
@@ -143,7 +144,7 @@ class LiveView(Callback):
         if state.status == "finished":
             pct, what = 100.0, f"finished at report {state.reports}"
         elif state.status in ("failed", "interrupted"):
-            what = f"{state.status} at step {self._index}: {what}"
+            what = f"{state.status} at report {self._index}: {what}"
         self._show(client, "progress", pct, what, create_progress_artifact)
         if not history and now - self._history_at < knobs.UI_HISTORY_EVERY_S:
             return
@@ -161,7 +162,7 @@ class LiveView(Callback):
         """Restart `attempt.attempt` (the n-th attempt after the run's first; a retry of the task
         run, or the first attempt of a driver that took the run over) marked where the flow run
         is looked at first: the task run that trains it is renamed `train-N (restart n from
-        step S)` (the run's graph and its Task Runs tab), and an artifact of the flow run says
+        report S)` (the run's graph and its Task Runs tab), and an artifact of the flow run says
         from where and after what (its Artifacts tab, a mark on the graph; key `...-restarts`,
         a version per restart)."""
         what = restart_title(attempt, self.plan.state)
@@ -202,18 +203,20 @@ class LiveView(Callback):
 
 
 def restart_title(attempt: AttemptRecord, state: RunState) -> str:
-    """'Restart n from step S: after rank r's exception at step F' (the failure that ended the
+    """'Restart n from report S: rank r's exception after report F' (the failure that ended the
     attempt before, where the run state has it)."""
     where = (
-        f"from step {attempt.start_report_index}" if attempt.start_report_index else "from scratch"
+        f"from report {attempt.start_report_index}"
+        if attempt.start_report_index
+        else "from scratch"
     )
     title = f"Restart {attempt.attempt} {where}"
     before = [f for f in state.failures if f.attempt < attempt.attempt]
     if before:
         f = before[-1]
         who = f"rank {f.rank}'s " if f.rank is not None else ""
-        at = f" at step {f.step}" if f.step is not None else ""
-        title += f": after {who}{f.kind}{at}"
+        at = f" {after_report(f.step)}" if f.step is not None else ""
+        title += f": {who}{f.kind}{at}"
     return title
 
 

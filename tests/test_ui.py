@@ -73,7 +73,7 @@ def test_a_run_with_a_restart_shows_its_progress_history_plot_and_failures(
                 "the progress at step 11, where the run is held",
             )
             assert not run.done(), run.exception()
-            assert shown.description == "step 11 of 12 (total_steps reported)", shown.description
+            assert shown.description == "report 11 of 12 (total_steps reported)", shown.description
             assert shown.data == pytest.approx(100 * 11 / 12, abs=0.01)
             failures = json.loads(latest(name, "failures").data)  # before the run ends
             assert [(f["kind"], f["rank"], f["step"]) for f in failures] == [("exception", 1, 7)]
@@ -91,7 +91,7 @@ def test_a_run_with_a_restart_shows_its_progress_history_plot_and_failures(
         "one artifact of each kind, updated in place"
     )
     assert mine["progress"][0].data == 100.0
-    assert mine["progress"][0].description == "finished at step 12"
+    assert mine["progress"][0].description == "finished at report 12"
 
     history = json.loads(mine["metrics"][0].data)
     assert [p["step"] for p in history] == list(range(1, 13)), "steps 6-7 once: trained again"

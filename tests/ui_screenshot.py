@@ -4,8 +4,8 @@
 
 Starts `prefect server start` on loopback (a fresh PREFECT_HOME), trains the demo against it
 (2 epochs, 2 ranks, rank 1 raises at step 13: one failure and a restart), then has headless
-Chromium (Debian's `chromium`; another with $CHROMIUM) load the flow run's page, its Artifacts
-tab and the plot's and failures table's own pages in the default (v2) UI. Writes OUT_DIR/*.png,
+Chromium (Debian's `chromium`; another with $CHROMIUM) load the flow run's page, its Task Runs and
+Artifacts tabs and the plot's and failures table's own pages in the default (v2) UI. Writes OUT_DIR/*.png,
 each page's DOM as rendered (OUT_DIR/*.html) and OUT_DIR/manifest.json (the ids and files).
 `tests/test_ui_screenshot.py` runs it and checks the rendered pages.
 """
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "ui-demo"
 PAGES = {  # file stem: (path under the UI, window height)
     "flow-run": ("/v2/runs/flow-run/{flow_run}", 1000),
+    "flow-run-task-runs": ("/v2/runs/flow-run/{flow_run}?tab=TaskRuns", 1000),
     "flow-run-artifacts": ("/v2/runs/flow-run/{flow_run}?tab=Artifacts", 1400),
     "plot": ("/v2/artifacts/artifact/{metrics-plot}", 900),
     "failures": ("/v2/artifacts/artifact/{failures}", 800),

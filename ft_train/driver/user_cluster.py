@@ -28,6 +28,7 @@ from distributed.deploy import Cluster
 from ..cluster_config import ClusterConfig
 from ..errors import ConfigError
 from .dask_settings import warn_if_not_in_force
+from .job_queue import JobReplacer, is_job_queue
 
 logger = logging.getLogger("ft_train")
 
@@ -87,7 +88,12 @@ def _started(cfg: ClusterConfig) -> Iterator[Cluster]:
     with cluster:
         if cfg.adapt_kwargs:
             cluster.adapt(**cfg.adapt_kwargs)
-        yield cluster
+        replacer = JobReplacer(cluster).start() if is_job_queue(cluster) else None
+        try:
+            yield cluster
+        finally:
+            if replacer is not None:
+                replacer.stop()
 
 
 @contextlib.contextmanager
