@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,8 +49,10 @@ LOOP = "tests.loops:in_slurm_jobs"
 
 
 @pytest.fixture(scope="module")
-def slurm_daemons(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3).start()
+def slurm_daemons():
+    # Not under pytest's basetemp, which later sessions rotate away: its logs (slurmctld's, every
+    # job's) are what a failure here is read from; the path is printed after each test.
+    cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="ft-train-slurm-")), nodes=3).start()
     cluster.activate()  # dask-jobqueue's sbatch/squeue/scancel run in this process
     try:
         yield cluster
@@ -63,7 +66,7 @@ def slurm(slurm_daemons):
     controller saw, and its log's last lines, are printed after each test (shown on failure)."""
     slurm_daemons.settle()
     yield slurm_daemons
-    print("SLURM after the test:", slurm_daemons.describe())
+    print(f"SLURM after the test ({slurm_daemons.root}):", slurm_daemons.describe())
     print(slurm_daemons.log_tail())
 
 
@@ -89,7 +92,8 @@ def slurm_cluster(tmp_path: Path, spare: int = 1, lifetime: str | None = None, *
             "walltime": kw.pop("walltime", "00:30:00"),
             "queue": "debug",
             "python": sys.executable,
-            "log_directory": str(tmp_path / "jobs"),
+            # each job's output, beside the cluster's own logs (kept after the session)
+            "log_directory": str(Path(os.environ["SLURM_CONF"]).parent / "jobs" / tmp_path.name),
             "scheduler_options": {"host": "127.0.0.1"},
             "job_script_prologue": [
                 f"cd {REPO}",
@@ -133,9 +137,11 @@ def train(storage, name, config, cluster, **kw):
 
 
 def first_report_after(result, t: float) -> float:
-    """Seconds from `t` (epoch s) to the first report the run kept after it (its metric history:
-    the reports of a resumed group), printed for bench/README.md's SLURM figures."""
-    return min(p["time"] for p in result.metrics_history if p["time"] > t) - t
+    """Seconds from `t` (epoch s) to the first report of a group started after it: the first
+    point of the run's metric history past the failure recorded after `t` (the points between
+    are the stopped group's last reports). Printed for bench/README.md's SLURM figures."""
+    failed = min(f.time.timestamp() for f in result.failures if f.time.timestamp() >= t - 1)
+    return min(p["time"] for p in result.metrics_history if p["time"] > failed) - t
 
 
 def in_background(fn) -> dict:
