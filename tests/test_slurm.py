@@ -297,7 +297,9 @@ def test_a_killed_driver_is_rerun_by_name_on_new_jobs(storage, tmp_path, slurm):
     jobs_dir.mkdir()
     hold = fault(tmp_path, 1, 7, kind="wait")
     config = demo_config([hold], jobs_dir=str(jobs_dir))
-    cluster = slurm_cluster(tmp_path, death_timeout=15)
+    # death_timeout also bounds a worker's start under its nanny: 15 s was too short for a
+    # loaded host (the nanny gave up starting its worker), 30 s is not
+    cluster = slurm_cluster(tmp_path, death_timeout=30)
     args = {
         "loop": LOOP,
         "config": config,
