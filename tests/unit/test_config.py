@@ -265,6 +265,7 @@ PUBLIC_API = [
     "TrainLoopImportError",
     "TrainResult",
     "TrainingFailedError",
+    "UserCallback",
     "WorkerGroupError",
     "WorkerStartupError",
     "collective",

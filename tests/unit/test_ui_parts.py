@@ -114,7 +114,7 @@ def test_a_restart_is_titled_with_where_it_started_and_the_failure_before_it():
     )
     state = RunState(name="r", failures=[FailureRecord(kind="driver_crash", charged=False)])
     attempt = AttemptRecord(attempt=2, attempt_id="a2", world_size=2)
-    assert restart_title(attempt, state) == "Restart 2 from scratch: after driver_crash"
+    assert restart_title(attempt, state) == "Restart 2 from scratch: driver_crash"
 
 
 def test_artifact_keys_are_the_run_name_where_prefect_takes_it_else_a_slug_and_a_hash():
