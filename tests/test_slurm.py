@@ -288,7 +288,7 @@ train(
 def test_a_killed_driver_is_rerun_by_name_on_new_jobs(storage, tmp_path, slurm):
     """The driver (its SLURMCluster's scheduler with it) SIGKILLed at step 7, after the step-5
     checkpoint; the flow run again by name starts new jobs and resumes from step 5; the old
-    jobs' workers, their scheduler gone, end their jobs (`death_timeout`)."""
+    jobs' workers, their scheduler gone, end their jobs (`death_timeout`, 60 s)."""
     import json
     import signal
     import subprocess
@@ -297,9 +297,9 @@ def test_a_killed_driver_is_rerun_by_name_on_new_jobs(storage, tmp_path, slurm):
     jobs_dir.mkdir()
     hold = fault(tmp_path, 1, 7, kind="wait")
     config = demo_config([hold], jobs_dir=str(jobs_dir))
-    # death_timeout also bounds a worker's start under its nanny: 15 s was too short for a
-    # loaded host (the nanny gave up starting its worker), 30 s is not
-    cluster = slurm_cluster(tmp_path, death_timeout=30)
+    # dask-jobqueue's death_timeout (60 s) as users have it: it also bounds a worker's first
+    # start under its nanny (the fork server's imports), which took over 30 s on a loaded host
+    cluster = slurm_cluster(tmp_path)
     args = {
         "loop": LOOP,
         "config": config,
