@@ -276,5 +276,5 @@ class RankSpec:
     collective_timeout_s: float  # FailureConfig.collective_timeout_s
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
-    snapshot_holders: tuple[str, ...] = ()  # who hold this rank's snapshots (`snapshot_store`)
+    snapshot_holders: tuple[str, ...] = ()  # who hold its snapshots (`ft_train.snapshots`)
     snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver

@@ -22,14 +22,15 @@ import pytest
 import ft_train
 from ft_train import knobs
 from ft_train.config import CheckpointConfig
+from ft_train.snapshots import piece_files
+from ft_train.snapshots.format import pack
+from ft_train.snapshots.rank import RESTORED, RankSnapshots
 from ft_train.storage.checkpoint import Checkpoint
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
-from ft_train.worker import download_cache, piece_files
-from ft_train.worker.flat_state import pack
+from ft_train.worker import download_cache
 from ft_train.worker.session import Session
-from ft_train.worker.snapshots import RESTORED, RankSnapshots
 from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
 from tests.helpers import run_killed
@@ -257,7 +258,7 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
 # host) and is killed (SIGKILL) while the round's directory is in use: it never removes it.
 KILLED_RESTORING_RANK = """
 import json, os, signal, sys, tempfile
-from ft_train.worker.snapshots import RankSnapshots
+from ft_train.snapshots.rank import RankSnapshots
 a = json.loads(sys.argv[1])
 tempfile.tempdir = a["node"]
 snapshots = RankSnapshots("run", a["attempt"], 0, 1, [], 1)  # never closed

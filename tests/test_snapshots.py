@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier (`ft_train.worker.snapshots`) and the just-in-time save.
+"""The in-memory snapshot tier (`ft_train.snapshots`) and the just-in-time save.
 
 A rank's snapshot pieces are held by its own nanny and a peer worker's. On a local cluster the
 nannies run in the driver's process, which is this test's: a test reads (and damages) what they
@@ -22,13 +22,15 @@ import pytest
 import torch
 
 import ft_train
-from ft_train.controller.snapshots import SnapshotTier, complete_rounds
-from ft_train.driver import snapshot_holders
 from ft_train.errors import CheckpointDamagedError, SessionError
-from ft_train.worker import flat_state, piece_files, snapshot_store
-from ft_train.worker.flat_state import pack, whole
+from ft_train.snapshots import format as piece_format
+from ft_train.snapshots import holders as snapshot_holders
+from ft_train.snapshots import piece_files
+from ft_train.snapshots import store as snapshot_store
+from ft_train.snapshots.format import pack, whole
+from ft_train.snapshots.rank import RankSnapshots
+from ft_train.snapshots.rounds import SnapshotTier, complete_rounds
 from ft_train.worker.journal import run_key
-from ft_train.worker.snapshots import RankSnapshots
 from tests.conftest import StorageTarget
 from tests.external_clusters import NannyCluster
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
@@ -591,7 +593,7 @@ def test_a_state_snapshot_is_copied_in_report_and_sent_in_the_background(tmp_pat
             whole(piece.blob)(str(out))
             state = torch.load(out / "rank0.pt")
             assert state["index"] == piece.index
-        assert flat_state.is_flat(held[0].blob) and not flat_state.is_flat(held[1].blob)
+        assert piece_format.is_flat(held[0].blob) and not piece_format.is_flat(held[1].blob)
         assert torch.equal(state["weight"].to_dense(), torch.eye(3))
         state = torch.load(tmp_path / "piece-2" / "rank0.pt")
         assert torch.equal(state["weight"], torch.full((1_000_000,), 2.0))
@@ -604,8 +606,8 @@ def test_a_flat_piece_gives_back_its_state_and_any_damage_is_told():
         "a.pt": {"w": w, "again": w, "bf16": torch.ones(3, dtype=torch.bfloat16), "step": 7},
         "b.pt": {"empty": torch.empty(0, 3), "p": torch.nn.Parameter(torch.arange(4.0))},
     }
-    piece = flat_state.seal(flat_state.FlatStager(reuse=True).stage(files))
-    back = flat_state.load(bytes(piece))
+    piece = piece_format.seal(piece_format.FlatStager(reuse=True).stage(files))
+    back = piece_format.load(bytes(piece))
     a, b = back["a.pt"], back["b.pt"]
     assert torch.equal(a["w"], w) and a["again"] is a["w"] and a["step"] == 7
     assert a["bf16"].dtype == torch.bfloat16 and torch.equal(a["bf16"], files["a.pt"]["bf16"])

@@ -34,14 +34,14 @@ from .. import knobs
 from ..compat import dask_broker
 from ..controller.ports import GroupPlan
 from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
+from ..snapshots import holders as snapshot_holders
+from ..snapshots.store import SnapshotHolder, SnapshotWorkerHolder
 from ..storage.run_state import FailureKind
 from ..worker import journal, preemption
 from ..worker.journal import run_key
 from ..worker.preemption import PreemptionWatcher
 from ..worker.rank import run_rank
-from ..worker.snapshot_store import SnapshotHolder, SnapshotWorkerHolder
 from ..worker.warm import WarmImports
-from . import snapshot_holders
 from .placement import await_workers, more_workers_available
 
 logger = logging.getLogger("ft_train")
@@ -339,7 +339,7 @@ class DaskCluster:
         # Holders given to ranks: a holder whose worker the scheduler dropped (its nanny is
         # restarting it) is asked too, though not listed until the new worker joins.
         self.placed: set[str] = set()
-        self.dead_holders: set[str] = set()  # not asked again (`snapshot_holders`)
+        self.dead_holders: set[str] = set()  # not asked again (`ft_train.snapshots.holders`)
 
     def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
         group = WorkerGroup(self.client, attempt, events, run_uri)

@@ -6,7 +6,7 @@ takes its *piece* of the round, one blob, in one of two ways:
 
 - `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
   report() copies the tensors into one buffer it keeps for the next snapshot, behind the state's
-  structure (`flat_state`: a memcpy, a few ms for tens of MB) and returns; the CRC-32 and the
+  structure (`format`: a memcpy, a few ms for tens of MB) and returns; the CRC-32 and the
   sends run in the background, as in CheckFreq and Gemini. No torch.save until a restore
   needs the files. A state with a tensor that format does not take (sparse, quantized, a
   subclass) is saved with torch.save into a zip at once, on the rank's thread.
@@ -14,7 +14,7 @@ takes its *piece* of the round, one blob, in one of two ways:
   not compressed), before it returns.
 
 A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
-`driver.snapshot_holders`) at once: a holder on the rank's host links the file the thread
+`holders`) at once: a holder on the rank's host links the file the thread
 wrote the piece into in /dev/shm (`piece_files`), one on another host takes the bytes over
 Dask's comms. One piece is in flight at a time: the next snapshot waits for the previous one
 to be sent, so once report() returns at a snapshot round, the rank's piece of the round before
@@ -53,15 +53,15 @@ from typing import TYPE_CHECKING, Any
 from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
+from ..worker.journal import run_key
+from ..worker.uploads import process_dir
 from . import piece_files
-from .journal import run_key
-from .uploads import process_dir
 
 RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
 if TYPE_CHECKING:
     from ..protocol import RankSpec
-    from .flat_state import FlatStager
+    from .format import FlatStager
 
 logger = logging.getLogger("ft_train")
 
@@ -73,14 +73,14 @@ Snapshot = Mapping[str, Any] | Saver  # report(snapshot=...): {file name: state}
 
 def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
     """`files`' piece: flat, its tensors copied now and its CRC-32 not yet written
-    (`flat_state.seal`), or torch.save's zip where a tensor is not plain (rare: on this
+    (`format.seal`), or torch.save's zip where a tensor is not plain (rare: on this
     thread)."""
-    from . import flat_state  # torch: not on `import ft_train`
+    from .format import NotPlain, pack_state  # torch: not on `import ft_train`
 
     try:
         return stager.stage(files)
-    except flat_state.NotPlain:
-        return flat_state.pack_state(files)
+    except NotPlain:
+        return pack_state(files)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class RankSnapshots:
         self.sent = self.failed = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: Any = None  # flat_state.FlatStager: the copies' buffer, kept for the next
+        self._stager: Any = None  # format.FlatStager: the copies' buffer, kept for the next
         self._restoring: Future[str] | None = None  # the round to restore, being fetched
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
@@ -158,7 +158,7 @@ class RankSnapshots:
         if not self.holders or not self.every or index % self.every:
             return
         if callable(snapshot):
-            from .flat_state import pack  # torch: not on `import ft_train`
+            from .format import pack  # torch: not on `import ft_train`
 
             blob = pack(snapshot)
             self.wait()  # one piece in flight: the previous one is held (or failed) first
@@ -173,7 +173,7 @@ class RankSnapshots:
         if self._stager is None:
             import torch
 
-            from .flat_state import FlatStager
+            from .format import FlatStager
 
             # a holder in this process (Dask's inproc transport) keeps the very buffer sent
             reuse = not any(h.startswith("inproc://") for h in self.holders)
@@ -186,9 +186,9 @@ class RankSnapshots:
             ) from e
 
     def _seal_and_send(self, piece: memoryview, index: int) -> None:
-        from . import flat_state
+        from .format import seal
 
-        self._send(flat_state.seal(piece), index, "snapshot")
+        self._send(seal(piece), index, "snapshot")
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._pending = self._thread().submit(fn, *args)
@@ -215,15 +215,15 @@ class RankSnapshots:
         in, and wait (bounded) until a holder has the piece."""
         if self.jit_saver is None or not self.holders:
             return
-        from . import flat_state
+        from .format import FlatStager, pack, seal
 
         try:
             if isinstance(self.jit_saver, Files):
                 files = self.jit_saver.files()
                 check_snapshot(files)
-                blob = flat_state.seal(_piece(flat_state.FlatStager(reuse=False), files))
+                blob = seal(_piece(FlatStager(reuse=False), files))
             else:
-                blob = flat_state.pack(self.jit_saver)
+                blob = pack(self.jit_saver)
         except Exception as e:  # the rank fails anyway, with its own error; the save is lost
             logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
             return
@@ -320,9 +320,9 @@ class RankSnapshots:
 
     def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
         """One rank's piece, as a function that writes its files into a directory: the first of
-        its copies still held and whole (`flat_state.whole`), read from the holder's file where
+        its copies still held and whole (`format.whole`), read from the holder's file where
         this host has it."""
-        from .flat_state import whole  # torch: not on `import ft_train`
+        from .format import whole  # torch: not on `import ft_train`
 
         why = []
         for piece in copies:

@@ -1,7 +1,7 @@
-"""Which in-memory snapshot round a restart restores from, if any (`ft_train.worker.snapshots`).
+"""Which in-memory snapshot round a restart restores from, if any (`rank`).
 
 The holders say what they hold (`Cluster.held_snapshots`). A rank's piece may have two copies,
-on two holders (`driver.snapshot_holders`). A round is one attempt's pieces at one report
+on two holders (`holders`). A round is one attempt's pieces at one report
 index, never pieces of two attempts. A snapshot round is complete when every rank of its
 attempt has a copy of its piece held; a just-in-time round (saved by the survivors of a
 failure) when at least one survivor's piece is. The restart takes the newest complete round

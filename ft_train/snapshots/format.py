@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .journal import shared_memory
-from .uploads import process_dir
+from ..worker.journal import shared_memory
+from ..worker.uploads import process_dir
 
 MAGIC = b"FTSTATE1"
 _PREFIX = struct.Struct("<II")  # CRC-32, header length (after MAGIC)

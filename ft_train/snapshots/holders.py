@@ -1,5 +1,5 @@
 """The driver's side of the in-memory snapshot tier: who holds each rank's snapshots, and what
-the holders hold (`ft_train.worker.snapshot_store`).
+the holders hold (`store`).
 
 Each rank's piece has two holders where the cluster has them: the rank's own nanny, which
 outlives the rank's process, and a peer worker's nanny (the worker itself where it has none),

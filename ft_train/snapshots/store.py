@@ -1,7 +1,7 @@
 """The holder's side of the in-memory snapshot tier: the pieces ranks sent, in memory.
 
 A rank's snapshot piece (its files, packed as one zip blob) is held by two *nannies*
-where the cluster has them: its own worker's and a peer worker's (`driver.snapshot_holders`).
+where the cluster has them: its own worker's and a peer worker's (`holders`).
 A nanny is a different process from the rank, which outlives its worker as the journals' reader
 does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses no copy,
 and the loss of the rank's node loses one copy of two. A worker without a nanny holds pieces
@@ -16,12 +16,12 @@ four handlers to the holder's Dask server, reached over Dask's own comms (`Serve
 
 Bounded: a holder keeps at most `knobs.SNAPSHOTS_PER_RANK` pieces per (run, rank), the oldest
 received dropped first, whatever attempt sent them (a round is identified by its attempt id and
-report index, so pieces of two attempts are never taken for one round: `controller.snapshots`).
+report index, so pieces of two attempts are never taken for one round: `rounds`).
 A nanny holds its own rank's pieces and a peer rank's: twice one rank's.
 
 A holder keeps a piece as it arrived (no copy) and does not check it: the rank that restores it
 does, before it uses it (each file's CRC-32 in the zip), and takes another copy, or fails over to
-an older round or to storage, when it is damaged (`ft_train.worker.snapshots`). Checking at every
+an older round or to storage, when it is damaged (`rank`). Checking at every
 put and every describe as well cost the holders CPU at every snapshot, on the ranks' cores, and
 the restart its time (bench/README.md).
 """
