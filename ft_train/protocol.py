@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .snapshots.piece import SnapshotRound
+
 if TYPE_CHECKING:  # a type only: the storage never imports the wire types, nor they it
     from .storage.fs import Storage
 
@@ -277,4 +279,4 @@ class RankSpec:
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
     snapshot_holders: tuple[str, ...] = ()  # who hold its snapshots (`ft_train.snapshots`)
-    snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
+    snapshot: SnapshotRound | None = None  # the snapshot round to restore, chosen by the driver

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from ft_train.snapshots import holders as snapshot_holders
 from ft_train.snapshots import piece_files
 from ft_train.snapshots import store as snapshot_store
 from ft_train.snapshots.format import pack, whole
+from ft_train.snapshots.piece import Kind, SnapshotPiece, SnapshotRound
 from ft_train.snapshots.rank import RankSnapshots
 from ft_train.snapshots.rounds import SnapshotTier, complete_rounds
 from ft_train.worker.journal import run_key
@@ -152,14 +154,14 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
 
     def damage() -> None:  # every copy of rank 0's pieces after the checkpoint at 20: a bit each
         wait_for(
-            lambda: [p.index for p in held_by_rank(name, target).get(0, [])].count(26) == 2,
+            lambda: [h.piece.index for h in held_by_rank(name, target).get(0, [])].count(26) == 2,
             30,
             "both copies of rank 0's piece of round 26",
         )
         for k, piece in enumerate(held_by_rank(name, target)[0]):
             # on one host, a piece's two copies are one file in /dev/shm: a bit each, apart
             flip_held(piece, piece.blob.nbytes // 2 + k)  # in the state's bytes
-            damaged.append((piece.index, piece.path is not None))
+            damaged.append((piece.piece.index, piece.path is not None))
 
     gate, thread = at_gate(tmp_path, 1, 27, damage)
     thread.start()
@@ -464,17 +466,9 @@ def flipped(blob: memoryview, at: int) -> memoryview:
     return memoryview(damaged)
 
 
-def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot") -> dict:
+def held_copy(rank: int, holder: str, index: int = 26, kind: Kind = "snapshot") -> SnapshotPiece:
     """A holder's answer for one copy of a piece (`SnapshotStore.describe`)."""
-    return {
-        "holder": holder,
-        "attempt_id": "a0",
-        "rank": rank,
-        "index": index,
-        "kind": kind,
-        "world_size": 2,
-        "size": 10,
-    }
+    return SnapshotPiece("a0", rank, index, kind, world_size=2, size=10, holder=holder)
 
 
 def test_a_round_is_complete_while_one_copy_of_each_piece_is_held():
@@ -487,7 +481,7 @@ def test_a_round_is_complete_while_one_copy_of_each_piece_is_held():
     (rnd,) = complete_rounds(held)
     assert (rnd.index, rnd.kind) == (26, "snapshot")
     # the restoring ranks are given every copy, to fetch the first that is whole
-    assert [(p["rank"], p["holder"]) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
+    assert [(p.rank, p.holder) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
     tier = SnapshotTier(lineage=["a0"])
     assert tier.choose(held, newer_than=20) == rnd
     assert tier.choose(held, newer_than=26) is None
@@ -518,17 +512,17 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
         a, b = sorted(client.scheduler_info()["workers"])
         blobs, pieces = [pack(writes("zero")), pack(writes("one"))], []
         for rank, blob in enumerate(blobs):
-            piece = held_copy(rank, b) | {"size": len(blob)}
-            assert snapshot_store.STORES[b].put(run, piece, blob) == {"status": "OK"}
-            pieces += [piece | {"holder": a}, piece]
-        assert snapshot_store.STORES[a].put(run, pieces[0], blobs[0]) == {"status": "OK"}
+            piece = replace(held_copy(rank, b), size=len(blob))
+            assert snapshot_store.STORES[b].put(run, piece.to_dict(), blob) == {"status": "OK"}
+            pieces += [replace(piece, holder=a), piece]
+        assert snapshot_store.STORES[a].put(run, pieces[0].to_dict(), blobs[0]) == {"status": "OK"}
         (damaged,) = snapshot_store.STORES[a].pieces[(run, 0)]
         damaged.blob = flipped(damaged.blob, bytes(damaged.blob).index(b"zero", 38))  # a byte of
         # the file's, after the zip's header (30 bytes and the name): only its CRC-32 tells
 
-        def restore(pieces: list[dict]) -> dict[str, str]:  # on a worker, as a rank would
+        def restore(pieces: list[SnapshotPiece]) -> dict[str, str]:  # on a worker, as a rank would
             snapshots = RankSnapshots(run, "a1", 0, 2, [], 2)
-            round_26 = {"attempt_id": "a0", "index": 26, "pieces": pieces}
+            round_26 = SnapshotRound("a0", 26, "snapshot", tuple(pieces))
             try:
                 with snapshots.restored(round_26).as_directory() as d:
                     return {f: open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))}
@@ -543,7 +537,7 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
             client.submit(restore, pieces[:3], pure=False).result()
         if (path := piece_files.write(blobs[0])) is not None:
             # a copy in a file on this host is read from it: its holder (none here) not asked
-            in_file = pieces[1] | {"holder": "tcp://127.0.0.1:9", "path": path}
+            in_file = replace(pieces[1], holder="tcp://127.0.0.1:9", path=path)
             try:
                 assert client.submit(restore, [in_file, pieces[3]], pure=False).result() == {
                     "one.txt": "one",
@@ -586,13 +580,13 @@ def test_a_state_snapshot_is_copied_in_report_and_sent_in_the_background(tmp_pat
         (holder,) = client.scheduler_info()["workers"]
         assert "lambda" in client.submit(reports, pure=False).result()
         held = snapshot_store.STORES[holder].pieces[(run, 0)]
-        assert [p.index for p in held] == [2, 3]  # two rounds a rank
-        for piece in held:
-            out = tmp_path / f"piece-{piece.index}"
+        assert [h.piece.index for h in held] == [2, 3]  # two rounds a rank
+        for h in held:
+            out = tmp_path / f"piece-{h.piece.index}"
             out.mkdir()
-            whole(piece.blob)(str(out))
+            whole(h.blob)(str(out))
             state = torch.load(out / "rank0.pt")
-            assert state["index"] == piece.index
+            assert state["index"] == h.piece.index
         assert piece_format.is_flat(held[0].blob) and not piece_format.is_flat(held[1].blob)
         assert torch.equal(state["weight"].to_dense(), torch.eye(3))
         state = torch.load(tmp_path / "piece-2" / "rank0.pt")

@@ -251,7 +251,7 @@ class Controller:
         group.place(self.plan, self.dead_workers)
         snap = self._snapshot_to_restore()
         start = snap.index if snap is not None else self.state.report_index
-        group.start(self.plan, self.state.latest, start, snap.spec() if snap else None)
+        group.start(self.plan, self.state.latest, start, snap)
         self.snapshots.started(group.attempt_id, snap)
         record = AttemptRecord(
             attempt=attempt,

@@ -35,6 +35,7 @@ from ..compat import dask_broker
 from ..controller.ports import GroupPlan
 from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
 from ..snapshots import holders as snapshot_holders
+from ..snapshots.piece import SnapshotPiece, SnapshotRound
 from ..snapshots.store import SnapshotHolder, SnapshotWorkerHolder
 from ..storage.run_state import FailureKind
 from ..worker import journal, preemption
@@ -79,7 +80,7 @@ class WorkerGroup:
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        snapshot: dict[str, Any] | None = None,
+        snapshot: SnapshotRound | None = None,
     ) -> None:
         addrs, ports, info = self.addresses, self._ports, self._info
         placed = snapshot_holders.place_holders(addrs, info)
@@ -365,7 +366,7 @@ class DaskCluster:
         self._register(SnapshotHolder(), 0.0, logger.warning)
         self._register(SnapshotWorkerHolder(), 0.0, logger.warning)
 
-    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+    def held_snapshots(self, run_uri: str) -> list[SnapshotPiece]:
         return snapshot_holders.held(self.client, run_key(run_uri), self.placed, self.dead_holders)
 
     def drop_snapshots(self, run_uri: str) -> None:

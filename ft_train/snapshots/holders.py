@@ -23,6 +23,7 @@ from typing import Any
 from distributed import Client
 
 from .. import knobs
+from .piece import SnapshotPiece
 
 logger = logging.getLogger("ft_train")
 
@@ -82,10 +83,16 @@ def _ask(client: Client, op: str, also: Collection[str], dead: set[str], **kwarg
 
 def held(
     client: Client, run: str, also: Collection[str] = (), dead: set[str] | None = None
-) -> list[dict[str, Any]]:
-    """Every piece held for `run`, a copy each."""
+) -> list[SnapshotPiece]:
+    """Every piece held for `run`, a copy each (as the holders describe them, unchecked: the
+    restoring rank checks the bytes)."""
     answers = _ask(client, "describe", also, set() if dead is None else dead, run=run)
-    return [p for answer in answers if isinstance(answer, (list, tuple)) for p in answer]
+    return [
+        SnapshotPiece.from_dict(p)
+        for answer in answers
+        if isinstance(answer, (list, tuple))
+        for p in answer
+    ]
 
 
 def drop(

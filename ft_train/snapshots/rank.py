@@ -56,6 +56,7 @@ from ..storage.checkpoint import Checkpoint
 from ..worker.journal import run_key
 from ..worker.uploads import process_dir
 from . import piece_files
+from .piece import Kind, SnapshotPiece, SnapshotRound
 
 RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
@@ -230,19 +231,12 @@ class RankSnapshots:
         self.wait(knobs.FAIL_FLUSH_S)
         self._send(blob, index, "jit", until_held=True)
 
-    def _send(self, blob: Buffer, index: int, kind: str, until_held: bool = False) -> None:
+    def _send(self, blob: Buffer, index: int, kind: Kind, until_held: bool = False) -> None:
         """The piece to every holder at once; returns once each has answered, or with
         `until_held` once one holds it (the other sends go on). Written into /dev/shm first,
         once, for the holders on this host."""
         path = piece_files.write(blob) if self.holders else None
-        piece = {
-            "attempt_id": self.attempt_id,
-            "rank": self.rank,
-            "index": index,
-            "kind": kind,
-            "world_size": self.world,
-            "size": len(blob),
-        }
+        piece = SnapshotPiece(self.attempt_id, self.rank, index, kind, self.world, len(blob))
         held: Future[bool] = Future()  # done once a holder holds the piece
         sends = asyncio.run_coroutine_threadsafe(
             self._put_all(piece, blob, path, held),
@@ -255,7 +249,7 @@ class RankSnapshots:
             sends.result()
 
     async def _put_all(
-        self, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future[bool]
+        self, piece: SnapshotPiece, blob: Buffer, path: str | None, held: Future[bool]
     ) -> None:
         """`_put` to every holder at once (each bounded by knobs.SNAPSHOT_SEND_TIMEOUT_S),
         then this process's name for the file goes: the holders' own names keep it."""
@@ -265,13 +259,14 @@ class RankSnapshots:
             piece_files.unlink(path)
 
     async def _put(
-        self, holder: str, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future
+        self, holder: str, piece: SnapshotPiece, blob: Buffer, path: str | None, held: Future
     ) -> None:
         """One copy of the piece to `holder` (on the worker's event loop): by the file at
-        `path` where the holder is on this host, else by its bytes; `held` set once held."""
+        `path` where the holder is on this host, else by its bytes; `held` set once held. The
+        piece's record goes in its wire form (Dask's comms carry msgpack)."""
         from distributed.protocol import to_serialize
 
-        put = {"run": self.run, "piece": piece}
+        put = {"run": self.run, "piece": piece.to_dict()}
         try:
             answer: Any = {"status": piece_files.NOT_HERE}
             if path is not None:
@@ -289,25 +284,23 @@ class RankSnapshots:
         self.failed += 1
         logger.warning(
             "ft-train: rank %d: %s %d not held by %s: %s",
-            *(self.rank, piece["kind"], piece["index"], holder, answer),
+            *(self.rank, piece.kind, piece.index, holder, answer),
         )
 
-    def prefetch(self, snapshot: dict[str, Any] | None) -> None:
+    def prefetch(self, snapshot: SnapshotRound | None) -> None:
         """Start fetching the round `snapshot` (the driver's choice; None: none) now, on the
         snapshot thread, while the rank joins its group and builds its model."""
         if snapshot is not None and self._restoring is None:
             self._restoring = self._thread().submit(self._restore, snapshot)
 
-    def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
+    def restored(self, snapshot: SnapshotRound) -> Checkpoint:
         """The round `snapshot` in a local directory, fetched once."""
         self.prefetch(snapshot)
         assert self._restoring is not None
         return Checkpoint.from_directory(self._restoring.result())
 
-    def _restore(self, snapshot: dict[str, Any]) -> str:
-        copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
-        for piece in snapshot["pieces"]:
-            copies.setdefault(piece["rank"], []).append(piece)
+    def _restore(self, snapshot: SnapshotRound) -> str:
+        copies = snapshot.copies()
         # under a directory of this process's own, so that a killed rank's is swept
         out = tempfile.mkdtemp(dir=process_dir(os.path.join(tempfile.gettempdir(), RESTORED)))
         try:
@@ -318,7 +311,7 @@ class RankSnapshots:
             raise
         return out
 
-    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
+    def _fetch(self, snapshot: SnapshotRound, copies: list[SnapshotPiece]) -> Saver:
         """One rank's piece, as a function that writes its files into a directory: the first of
         its copies still held and whole (`format.whole`), read from the holder's file where
         this host has it."""
@@ -329,26 +322,25 @@ class RankSnapshots:
             try:
                 blob = self._held_blob(piece)
             except Exception as e:  # gone since the driver chose: the next copy, if any
-                why.append(f"{piece['holder']}: {e if isinstance(e, LookupError) else repr(e)}")
+                why.append(f"{piece.holder}: {e if isinstance(e, LookupError) else repr(e)}")
                 continue
             try:
                 return whole(blob)
             except ValueError as e:
-                why.append(f"{piece['holder']}: {e}")
-        where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
+                why.append(f"{piece.holder}: {e}")
+        where = snapshot.where
         raise CheckpointDamagedError(
-            f"{where}: no copy of rank {copies[0]['rank']}'s piece is held whole "
-            f"({'; '.join(why)})",
+            f"{where}: no copy of rank {copies[0].rank}'s piece is held whole ({'; '.join(why)})",
             where,
         )
 
-    def _held_blob(self, piece: dict[str, Any]) -> Buffer:
+    def _held_blob(self, piece: SnapshotPiece) -> Buffer:
         """A copy's bytes: from the holder's file (`piece_files`) where this host has it, else
         from the holder over Dask's comms."""
-        if piece.get("path") and (blob := piece_files.open_held(piece["path"])) is not None:
+        if piece.path and (blob := piece_files.open_held(piece.path)) is not None:
             return blob
-        key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
-        answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
+        key = {"attempt_id": piece.attempt_id, "rank": piece.rank, "index": piece.index}
+        answer = _call(self._worker, piece.holder, "get", run=self.run, kind=piece.kind, **key)
         status = answer.get("status") if isinstance(answer, dict) else repr(answer)
         if status != "OK":
             raise LookupError(status)
