@@ -12,8 +12,10 @@ The modules, by who runs them:
 
 - `rank`: the rank's side: take a piece, send it in the background, save just in time, and
   fetch and unpack a round to restore (in the rank's process).
-- `format`: what a piece's bytes are: a flat buffer or a zip, each with its CRC-32 (in the
-  rank's process, packing and unpacking).
+- `piece`: what one piece is (`SnapshotPiece`) and one round (`SnapshotRound`), as every module
+  below passes them; a piece's dict form only where it crosses Dask's comms.
+- `format`: what a piece's bytes are, written down once: a flat buffer or a zip, and the CRC-32s
+  a restoring rank checks (in the rank's process, packing and unpacking).
 - `piece_files`: a piece as a file in the host's shared memory, one copy for the holders on the
   rank's host (the rank and the holders).
 - `store`: the holder's side: the pieces a nanny (or a worker without one) holds, behind four
