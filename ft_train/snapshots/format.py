@@ -55,8 +55,7 @@ from typing import Any
 
 import torch
 
-from ..worker.journal import shared_memory
-from ..worker.uploads import process_dir
+from ..worker import scratch
 
 MAGIC = b"FTSTATE1"
 _PREFIX = struct.Struct("<II")  # CRC-32, header length (after MAGIC)
@@ -133,8 +132,8 @@ class FlatStager:
 
 def _scratch() -> str:
     """Where a snapshot is written before it is packed: memory where the node has it, in a
-    directory of this process's own (a killed rank's is swept)."""
-    return process_dir(os.path.join(shared_memory() or tempfile.gettempdir(), "ft-train-packing"))
+    directory of this process's own (a killed rank's is swept: `scratch.process_dir`)."""
+    return scratch.process_dir(scratch.folder("ft-train-packing", memory=True))
 
 
 def pack(save: Callable[[str], Any]) -> memoryview:

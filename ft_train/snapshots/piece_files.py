@@ -25,16 +25,17 @@ import os
 import uuid
 from typing import Any
 
-from ..worker.journal import shared_memory
+from ..worker import scratch
 
 NOT_HERE = "not on this host"  # a holder's answer to a path it cannot link: send the bytes
 
 
 def directory() -> str | None:
-    """The host's shared directory for pieces, or None where the host has no /dev/shm to write."""
-    if (shm := shared_memory()) is None:
+    """The host's shared directory for pieces, or None where the host has no shared memory to
+    write (`scratch.shared_memory`)."""
+    if scratch.shared_memory() is None:
         return None
-    d = os.path.join(shm, "ft-train-snapshots")
+    d = scratch.folder("ft-train-snapshots", memory=True)
     try:
         os.makedirs(d, exist_ok=True)
     except OSError:

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
+from ..worker import scratch
 from ..worker.journal import run_key
-from ..worker.uploads import process_dir
 from . import piece_files
 from .piece import Kind, SnapshotPiece, SnapshotRound
 
@@ -302,7 +302,7 @@ class RankSnapshots:
     def _restore(self, snapshot: SnapshotRound) -> str:
         copies = snapshot.copies()
         # under a directory of this process's own, so that a killed rank's is swept
-        out = tempfile.mkdtemp(dir=process_dir(os.path.join(tempfile.gettempdir(), RESTORED)))
+        out = tempfile.mkdtemp(dir=scratch.process_dir(scratch.folder(RESTORED)))
         try:
             for rank in sorted(copies, reverse=True):
                 self._fetch(snapshot, copies[rank])(out)
@@ -339,6 +339,8 @@ class RankSnapshots:
         from the holder over Dask's comms."""
         if piece.path and (blob := piece_files.open_held(piece.path)) is not None:
             return blob
+        if piece.holder is None:  # a record no holder described: no one to ask
+            raise LookupError("not held")
         key = {"attempt_id": piece.attempt_id, "rank": piece.rank, "index": piece.index}
         answer = _call(self._worker, piece.holder, "get", run=self.run, kind=piece.kind, **key)
         status = answer.get("status") if isinstance(answer, dict) else repr(answer)
