@@ -13,7 +13,7 @@ The modules, by who runs them:
 - `rank`: the rank's side: take a piece, send it in the background, save just in time, and
   fetch and unpack a round to restore (in the rank's process).
 - `piece`: what one piece is (`SnapshotPiece`) and one round (`SnapshotRound`), as every module
-  below passes them; a piece's dict form only where it crosses Dask's comms.
+  other modules pass them; a piece's dict form only where it crosses Dask's comms.
 - `format`: what a piece's bytes are, written down once: a flat buffer or a zip, and the CRC-32s
   a restoring rank checks (in the rank's process, packing and unpacking).
 - `piece_files`: a piece as a file in the host's shared memory, one copy for the holders on the
@@ -22,6 +22,10 @@ The modules, by who runs them:
   handlers on its Dask server.
 - `holders`: the driver's side: who holds each rank's pieces, and what the holders hold.
 - `rounds`: the controller's view: which round, if any, a restart restores from.
+
+Its files on a node (the pieces in shared memory, a `save(directory)` before it is packed, a
+restored round) are in folders of the node's scratch space, which `ft_train.worker.scratch`
+owns, as it owns /dev/shm for every other user.
 
 Where a piece goes: the rank's `RankSnapshots` -> `store.SnapshotStore.put` on each holder ->
 `holders.held` (the driver asks every holder) -> `rounds.SnapshotTier.choose` (the controller)
