@@ -24,6 +24,7 @@ from distributed import Client
 
 from .. import knobs
 from .piece import SnapshotPiece
+from .store import handler
 
 logger = logging.getLogger("ft_train")
 
@@ -62,7 +63,7 @@ def _ask(client: Client, op: str, also: Collection[str], dead: set[str], **kwarg
     the answers of those that gave one. One that is gone or silent is added to `dead`."""
 
     async def one(addr: str) -> Any:
-        call = getattr(client.rpc(addr), f"ft_train_snapshot_{op}")(**kwargs)
+        call = getattr(client.rpc(addr), handler(op))(**kwargs)
         try:
             return await asyncio.wait_for(call, knobs.ANSWER_TIMEOUT_S)
         except (TimeoutError, OSError) as e:  # gone or frozen: it holds nothing usable

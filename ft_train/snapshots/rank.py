@@ -57,6 +57,7 @@ from ..worker import scratch
 from ..worker.journal import run_key
 from . import piece_files
 from .piece import Kind, SnapshotPiece, SnapshotRound
+from .store import handler
 
 RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
@@ -370,8 +371,8 @@ def _this_worker() -> Any:
 
 async def _rpc(worker: Any, address: str, op: str, **kwargs: Any) -> Any:
     """`op` on a holder, over the rank's worker's Dask connection pool, on its event loop."""
-    handler = getattr(worker.rpc(address), f"ft_train_snapshot_{op}")
-    return await asyncio.wait_for(handler(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
+    call = getattr(worker.rpc(address), handler(op))
+    return await asyncio.wait_for(call(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
 
 
 def _call(worker: Any, address: str, op: str, **kwargs: Any) -> Any:

@@ -48,6 +48,13 @@ logger = logging.getLogger("ft_train")
 
 HANDLERS = ("put", "describe", "get", "drop")
 
+
+def handler(op: str) -> str:
+    """The name of the holder's handler for `op` (one of HANDLERS), as a rank and the driver
+    call it over Dask's comms."""
+    return f"ft_train_snapshot_{op}"
+
+
 # holder address -> its store: the holders in this process (a local cluster's nannies run in
 # the driver's process), for a test or a measurement that looks at what they hold.
 STORES: dict[str, SnapshotStore] = {}
@@ -142,20 +149,13 @@ class SnapshotStore:
 def _install(server) -> None:
     piece_files.sweep()
     store = SnapshotStore(server.address)
-    server.handlers.update(
-        {
-            "ft_train_snapshot_put": store.put,
-            "ft_train_snapshot_describe": store.describe,
-            "ft_train_snapshot_get": store.get,
-            "ft_train_snapshot_drop": store.drop,
-        }
-    )
+    server.handlers.update({handler(op): getattr(store, op) for op in HANDLERS})
     STORES[server.address] = store
 
 
 def _uninstall(server) -> None:
-    for name in HANDLERS:
-        server.handlers.pop(f"ft_train_snapshot_{name}", None)
+    for op in HANDLERS:
+        server.handlers.pop(handler(op), None)
     if (store := STORES.pop(server.address, None)) is not None:
         store.close()
 
