@@ -237,11 +237,9 @@ def nodes(tmp_path, monkeypatch):
         cluster.close()
 
 
-def copies(held: list[dict], index: int) -> set[tuple[int, str]]:
+def copies(held: list[SnapshotPiece], index: int) -> set[tuple[int, str | None]]:
     """(rank, holder) of each whole copy of a piece of snapshot round `index`."""
-    return {
-        (p["rank"], p["holder"]) for p in held if (p["index"], p["kind"]) == (index, "snapshot")
-    }
+    return {(p.rank, p.holder) for p in held if (p.index, p.kind) == (index, "snapshot")}
 
 
 @pytest.mark.parametrize("pace", PACES)
@@ -330,7 +328,7 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     thread.join(10)
 
     assert len(seen["holders"]) == 2, seen  # its own nanny and rank 0's
-    assert not [p for p in seen["after"] if p["rank"] == 1], seen
+    assert not [p for p in seen["after"] if p.rank == 1], seen
     assert result.status == "finished", result.error
     # one failure of the group: the node the driver heard of first
     assert [(f.kind, f.rank, f.step) for f in result.failures] == [("node_loss", 1, 27)]
@@ -388,9 +386,9 @@ def test_a_holder_on_another_host_takes_the_bytes_and_a_restore_reads_either(
                 for r in (0, 1)
             }
             seen["copies"] = {
-                (p["rank"], p["holder"] == nanny[p["rank"]], p["path"] is not None)
+                (p.rank, p.holder == nanny[p.rank], p.path is not None)
                 for p in held()
-                if p["index"] == 26
+                if p.index == 26
             }
 
         gate, thread = at_gate(tmp_path, 1, 27, look)
