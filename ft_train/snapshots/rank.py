@@ -2,7 +2,7 @@
 background, save just in time when a peer fails, and restore a round.
 
 `report(..., snapshot=...)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
-takes its *piece* of the round, one blob, in one of two ways:
+takes its *piece* of the round, one blob, in one of two ways (`format` describes both):
 
 - `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
   report() copies the tensors into one buffer it keeps for the next snapshot, behind the state's
@@ -13,15 +13,14 @@ takes its *piece* of the round, one blob, in one of two ways:
 - `snapshot=save`: report() calls `save(directory)` and packs what it wrote into a zip (stored,
   not compressed), before it returns.
 
-A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
-`holders`) at once: a holder on the rank's host links the file the thread
-wrote the piece into in /dev/shm (`piece_files`), one on another host takes the bytes over
-Dask's comms. One piece is in flight at a time: the next snapshot waits for the previous one
-to be sent, so once report() returns at a snapshot round, the rank's piece of the round before
-is held (or a send failed, which is logged: snapshots are a tier above the checkpoints on
-storage, never in place of them). A holder that failed a send is not sent to again by this
-rank: it is gone or silent, and each try would hold the next snapshot up to
-knobs.SNAPSHOT_SEND_TIMEOUT_S.
+A thread sends the piece to the rank's holders (its own nanny and a peer worker's, `holders`) at
+once: a holder on the rank's host links the file the thread wrote the piece into in /dev/shm
+(`piece_files`), one on another host takes the bytes over Dask's comms. One piece is in flight
+at a time: the next snapshot waits for the previous one to be sent, so once report() returns at
+a snapshot round, the rank's piece of the round before is held (or a send failed, which is
+logged: snapshots are a tier above the checkpoints on storage, never in place of them). A holder
+that failed a send is not sent to again by this rank: it is gone or silent, and each try would
+hold the next snapshot up to knobs.SNAPSHOT_SEND_TIMEOUT_S.
 
 `enable_jit_checkpoint(save)`: when this rank fails because a peer went away (its collective
 saw the closed connection), it calls `save(directory)` and sends the piece, waited for until a
@@ -30,7 +29,7 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and whole (its CRC-32s, as packed): from the holder's file where
+copies that is still held and whole (its CRC-32s, `format.whole`): from the holder's file where
 this host has it, else over Dask's comms. It unpacks them into one local directory (the lowest
 rank's file wins where two ranks wrote the same name): what `get_checkpoint()` returns, as from
 storage. It starts as the rank does, on the snapshot thread, while the rank joins its group and
