@@ -48,6 +48,7 @@ from ft_train.errors import AttemptFailed
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
+from ft_train.worker import scratch
 
 from .scale_sim import Script, SimCluster, SimGroup, Timings
 
@@ -180,7 +181,7 @@ def _teardown(ctl: Controller, cluster: SimCluster, ranks: int) -> float:
 
 def run_state_growth(ranks: int, checkpoints: int, figures: Figures) -> None:
     """`checkpoints` commits, as a run makes them; the state's size and load times."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    base = scratch.shared_memory()
     root = tempfile.mkdtemp(prefix="ft-scale-state-", dir=base)
     try:
         storage = Storage(root)

@@ -45,6 +45,7 @@ from ft_train.controller.ports import GroupPlan
 from ft_train.driver.worker_group import WorkerGroup
 from ft_train.errors import RankFailure
 from ft_train.protocol import GroupEvent, Message, RankEnded, RankSpec, Started
+from ft_train.snapshots.piece import SnapshotPiece
 from ft_train.storage.checkpoint import Checkpoint
 from ft_train.worker import journal
 from ft_train.worker.journal import Journal, run_key
@@ -173,7 +174,7 @@ class SimCluster:
     def hold_snapshots(self) -> None:
         pass  # snapshots off in the benchmark (CheckpointConfig.snapshot_every=None)
 
-    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+    def held_snapshots(self, run_uri: str) -> list[SnapshotPiece]:
         return []
 
     def drop_snapshots(self, run_uri: str) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .snapshots.piece import SnapshotRound
+
 if TYPE_CHECKING:  # a type only: the storage never imports the wire types, nor they it
     from .storage.fs import Storage
 
@@ -276,5 +278,5 @@ class RankSpec:
     collective_timeout_s: float  # FailureConfig.collective_timeout_s
     agreement_interval_s: float  # FailureConfig.agreement_interval_s
     snapshot_every: int | None = None  # CheckpointConfig.snapshot_every
-    snapshot_holders: tuple[str, ...] = ()  # who hold this rank's snapshots (`snapshot_store`)
-    snapshot: dict[str, Any] | None = None  # the snapshot round to restore, chosen by the driver
+    snapshot_holders: tuple[str, ...] = ()  # who hold its snapshots (`ft_train.snapshots`)
+    snapshot: SnapshotRound | None = None  # the snapshot round to restore, chosen by the driver

@@ -19,6 +19,7 @@ from ft_train.protocol import (
     Started,
     WorkerLost,
 )
+from ft_train.snapshots.piece import SnapshotPiece
 
 
 class FakeGroup:
@@ -130,7 +131,7 @@ class FakeCluster:
         self.grow = False  # what can_grow answers
         self.watching: list[float] = []
         self.warmed: list[tuple[str, ...]] = []
-        self.snapshots: list[dict[str, Any]] = []  # the pieces held_snapshots answers
+        self.snapshots: list[SnapshotPiece] = []  # the pieces held_snapshots answers
         self.while_placing: Callable[[], Any] = lambda: None  # what happens as a group waits
 
     @property
@@ -156,7 +157,7 @@ class FakeCluster:
     def hold_snapshots(self) -> None:
         pass
 
-    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+    def held_snapshots(self, run_uri: str) -> list[SnapshotPiece]:
         return list(self.snapshots)
 
     def drop_snapshots(self, run_uri: str) -> None:

@@ -22,14 +22,16 @@ import pytest
 import ft_train
 from ft_train import knobs
 from ft_train.config import CheckpointConfig
+from ft_train.snapshots import piece_files
+from ft_train.snapshots.format import pack
+from ft_train.snapshots.piece import SnapshotPiece, SnapshotRound
+from ft_train.snapshots.rank import RESTORED, RankSnapshots
 from ft_train.storage.checkpoint import Checkpoint
 from ft_train.storage.checkpoint_manager import CheckpointManager, checkpoint_dir_name
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
-from ft_train.worker import download_cache, piece_files
-from ft_train.worker.flat_state import pack
+from ft_train.worker import download_cache
 from ft_train.worker.session import Session
-from ft_train.worker.snapshots import RESTORED, RankSnapshots
 from ft_train.worker.uploads import STAGING
 from tests.conftest import make_s3_target
 from tests.helpers import run_killed
@@ -257,11 +259,13 @@ def test_a_killed_ranks_cache_entries_and_staging_are_evicted(node, s3_endpoint,
 # host) and is killed (SIGKILL) while the round's directory is in use: it never removes it.
 KILLED_RESTORING_RANK = """
 import json, os, signal, sys, tempfile
-from ft_train.worker.snapshots import RankSnapshots
+from ft_train.snapshots.piece import SnapshotPiece, SnapshotRound
+from ft_train.snapshots.rank import RankSnapshots
 a = json.loads(sys.argv[1])
 tempfile.tempdir = a["node"]
 snapshots = RankSnapshots("run", a["attempt"], 0, 1, [], 1)  # never closed
-with snapshots.restored(a["round"]).as_directory() as d:
+piece = SnapshotPiece(**a["piece"])
+with snapshots.restored(SnapshotRound("a0", 26, "snapshot", (piece,))).as_directory() as d:
     print(sorted(os.listdir(d)), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -271,15 +275,11 @@ def test_a_killed_ranks_restored_snapshot_is_removed_by_the_next_restore(node):
     blob = pack(lambda d: Path(d, "model.pt").write_bytes(b"r" * FILE_BYTES))
     if (path := piece_files.write(blob)) is None:
         pytest.skip("no writable /dev/shm: without a holder's file a restore needs Dask")
-    piece = {"holder": "tcp://127.0.0.1:9", "path": path, "attempt_id": "a0", "rank": 0}
-    round_26 = {
-        "attempt_id": "a0",
-        "index": 26,
-        "pieces": [piece | {"index": 26, "kind": "snapshot"}],
-    }
+    piece = SnapshotPiece("a0", 0, 26, "snapshot", 1, len(blob), "tcp://127.0.0.1:9", path)
+    round_26 = SnapshotRound("a0", 26, "snapshot", (piece,))
     try:
         for attempt in ("a1", "a2", "a3"):  # a rank killed with its restored round open, 3 times
-            args = dict(node=str(node), attempt=attempt, round=round_26)
+            args = dict(node=str(node), attempt=attempt, piece=piece.to_dict())
             proc = run_killed(KILLED_RESTORING_RANK, args)
             assert proc.stdout.strip() == "['model.pt']", proc.stdout + proc.stderr
             # each restore swept the round its killed predecessor left: only the last one's is left

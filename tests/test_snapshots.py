@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier (`ft_train.worker.snapshots`) and the just-in-time save.
+"""The in-memory snapshot tier (`ft_train.snapshots`) and the just-in-time save.
 
 A rank's snapshot pieces are held by its own nanny and a peer worker's. On a local cluster the
 nannies run in the driver's process, which is this test's: a test reads (and damages) what they
@@ -17,18 +17,22 @@ import os
 import re
 import subprocess
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
 import ft_train
-from ft_train.controller.snapshots import SnapshotTier, complete_rounds
-from ft_train.driver import snapshot_holders
 from ft_train.errors import CheckpointDamagedError, SessionError
-from ft_train.worker import flat_state, piece_files, snapshot_store
-from ft_train.worker.flat_state import pack, whole
+from ft_train.snapshots import format as piece_format
+from ft_train.snapshots import holders as snapshot_holders
+from ft_train.snapshots import piece_files
+from ft_train.snapshots import store as snapshot_store
+from ft_train.snapshots.format import pack, whole
+from ft_train.snapshots.piece import Kind, SnapshotPiece, SnapshotRound
+from ft_train.snapshots.rank import RankSnapshots
+from ft_train.snapshots.rounds import SnapshotTier, complete_rounds
 from ft_train.worker.journal import run_key
-from ft_train.worker.snapshots import RankSnapshots
 from tests.conftest import StorageTarget
 from tests.external_clusters import NannyCluster
 from tests.helpers import assert_bit_identical, fresh, load_state, run_config, wait_for
@@ -150,14 +154,14 @@ def test_a_damaged_snapshot_is_detected_and_the_run_falls_back_to_storage(tmp_pa
 
     def damage() -> None:  # every copy of rank 0's pieces after the checkpoint at 20: a bit each
         wait_for(
-            lambda: [p.index for p in held_by_rank(name, target).get(0, [])].count(26) == 2,
+            lambda: [h.piece.index for h in held_by_rank(name, target).get(0, [])].count(26) == 2,
             30,
             "both copies of rank 0's piece of round 26",
         )
         for k, piece in enumerate(held_by_rank(name, target)[0]):
             # on one host, a piece's two copies are one file in /dev/shm: a bit each, apart
             flip_held(piece, piece.blob.nbytes // 2 + k)  # in the state's bytes
-            damaged.append((piece.index, piece.path is not None))
+            damaged.append((piece.piece.index, piece.path is not None))
 
     gate, thread = at_gate(tmp_path, 1, 27, damage)
     thread.start()
@@ -233,11 +237,9 @@ def nodes(tmp_path, monkeypatch):
         cluster.close()
 
 
-def copies(held: list[dict], index: int) -> set[tuple[int, str]]:
+def copies(held: list[SnapshotPiece], index: int) -> set[tuple[int, str | None]]:
     """(rank, holder) of each whole copy of a piece of snapshot round `index`."""
-    return {
-        (p["rank"], p["holder"]) for p in held if (p["index"], p["kind"]) == (index, "snapshot")
-    }
+    return {(p.rank, p.holder) for p in held if (p.index, p.kind) == (index, "snapshot")}
 
 
 @pytest.mark.parametrize("pace", PACES)
@@ -326,7 +328,7 @@ def test_every_holder_of_a_ranks_snapshots_lost_resumes_from_storage(
     thread.join(10)
 
     assert len(seen["holders"]) == 2, seen  # its own nanny and rank 0's
-    assert not [p for p in seen["after"] if p["rank"] == 1], seen
+    assert not [p for p in seen["after"] if p.rank == 1], seen
     assert result.status == "finished", result.error
     # one failure of the group: the node the driver heard of first
     assert [(f.kind, f.rank, f.step) for f in result.failures] == [("node_loss", 1, 27)]
@@ -384,9 +386,9 @@ def test_a_holder_on_another_host_takes_the_bytes_and_a_restore_reads_either(
                 for r in (0, 1)
             }
             seen["copies"] = {
-                (p["rank"], p["holder"] == nanny[p["rank"]], p["path"] is not None)
+                (p.rank, p.holder == nanny[p.rank], p.path is not None)
                 for p in held()
-                if p["index"] == 26
+                if p.index == 26
             }
 
         gate, thread = at_gate(tmp_path, 1, 27, look)
@@ -462,17 +464,9 @@ def flipped(blob: memoryview, at: int) -> memoryview:
     return memoryview(damaged)
 
 
-def held_copy(rank: int, holder: str, index: int = 26, kind: str = "snapshot") -> dict:
+def held_copy(rank: int, holder: str, index: int = 26, kind: Kind = "snapshot") -> SnapshotPiece:
     """A holder's answer for one copy of a piece (`SnapshotStore.describe`)."""
-    return {
-        "holder": holder,
-        "attempt_id": "a0",
-        "rank": rank,
-        "index": index,
-        "kind": kind,
-        "world_size": 2,
-        "size": 10,
-    }
+    return SnapshotPiece("a0", rank, index, kind, world_size=2, size=10, holder=holder)
 
 
 def test_a_round_is_complete_while_one_copy_of_each_piece_is_held():
@@ -485,7 +479,7 @@ def test_a_round_is_complete_while_one_copy_of_each_piece_is_held():
     (rnd,) = complete_rounds(held)
     assert (rnd.index, rnd.kind) == (26, "snapshot")
     # the restoring ranks are given every copy, to fetch the first that is whole
-    assert [(p["rank"], p["holder"]) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
+    assert [(p.rank, p.holder) for p in rnd.pieces] == [(0, "A"), (1, "A"), (1, "B")]
     tier = SnapshotTier(lineage=["a0"])
     assert tier.choose(held, newer_than=20) == rnd
     assert tier.choose(held, newer_than=26) is None
@@ -516,17 +510,17 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
         a, b = sorted(client.scheduler_info()["workers"])
         blobs, pieces = [pack(writes("zero")), pack(writes("one"))], []
         for rank, blob in enumerate(blobs):
-            piece = held_copy(rank, b) | {"size": len(blob)}
-            assert snapshot_store.STORES[b].put(run, piece, blob) == {"status": "OK"}
-            pieces += [piece | {"holder": a}, piece]
-        assert snapshot_store.STORES[a].put(run, pieces[0], blobs[0]) == {"status": "OK"}
+            piece = replace(held_copy(rank, b), size=len(blob))
+            assert snapshot_store.STORES[b].put(run, piece.to_dict(), blob) == {"status": "OK"}
+            pieces += [replace(piece, holder=a), piece]
+        assert snapshot_store.STORES[a].put(run, pieces[0].to_dict(), blobs[0]) == {"status": "OK"}
         (damaged,) = snapshot_store.STORES[a].pieces[(run, 0)]
         damaged.blob = flipped(damaged.blob, bytes(damaged.blob).index(b"zero", 38))  # a byte of
         # the file's, after the zip's header (30 bytes and the name): only its CRC-32 tells
 
-        def restore(pieces: list[dict]) -> dict[str, str]:  # on a worker, as a rank would
+        def restore(pieces: list[SnapshotPiece]) -> dict[str, str]:  # on a worker, as a rank would
             snapshots = RankSnapshots(run, "a1", 0, 2, [], 2)
-            round_26 = {"attempt_id": "a0", "index": 26, "pieces": pieces}
+            round_26 = SnapshotRound("a0", 26, "snapshot", tuple(pieces))
             try:
                 with snapshots.restored(round_26).as_directory() as d:
                     return {f: open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))}
@@ -541,7 +535,7 @@ def test_a_restoring_rank_fetches_a_whole_copy_of_each_piece(tmp_path):
             client.submit(restore, pieces[:3], pure=False).result()
         if (path := piece_files.write(blobs[0])) is not None:
             # a copy in a file on this host is read from it: its holder (none here) not asked
-            in_file = pieces[1] | {"holder": "tcp://127.0.0.1:9", "path": path}
+            in_file = replace(pieces[1], holder="tcp://127.0.0.1:9", path=path)
             try:
                 assert client.submit(restore, [in_file, pieces[3]], pure=False).result() == {
                     "one.txt": "one",
@@ -584,14 +578,14 @@ def test_a_state_snapshot_is_copied_in_report_and_sent_in_the_background(tmp_pat
         (holder,) = client.scheduler_info()["workers"]
         assert "lambda" in client.submit(reports, pure=False).result()
         held = snapshot_store.STORES[holder].pieces[(run, 0)]
-        assert [p.index for p in held] == [2, 3]  # two rounds a rank
-        for piece in held:
-            out = tmp_path / f"piece-{piece.index}"
+        assert [h.piece.index for h in held] == [2, 3]  # two rounds a rank
+        for h in held:
+            out = tmp_path / f"piece-{h.piece.index}"
             out.mkdir()
-            whole(piece.blob)(str(out))
+            whole(h.blob)(str(out))
             state = torch.load(out / "rank0.pt")
-            assert state["index"] == piece.index
-        assert flat_state.is_flat(held[0].blob) and not flat_state.is_flat(held[1].blob)
+            assert state["index"] == h.piece.index
+        assert piece_format.is_flat(held[0].blob) and not piece_format.is_flat(held[1].blob)
         assert torch.equal(state["weight"].to_dense(), torch.eye(3))
         state = torch.load(tmp_path / "piece-2" / "rank0.pt")
         assert torch.equal(state["weight"], torch.full((1_000_000,), 2.0))
@@ -604,8 +598,8 @@ def test_a_flat_piece_gives_back_its_state_and_any_damage_is_told():
         "a.pt": {"w": w, "again": w, "bf16": torch.ones(3, dtype=torch.bfloat16), "step": 7},
         "b.pt": {"empty": torch.empty(0, 3), "p": torch.nn.Parameter(torch.arange(4.0))},
     }
-    piece = flat_state.seal(flat_state.FlatStager(reuse=True).stage(files))
-    back = flat_state.load(bytes(piece))
+    piece = piece_format.seal(piece_format.FlatStager(reuse=True).stage(files))
+    back = piece_format.load(bytes(piece))
     a, b = back["a.pt"], back["b.pt"]
     assert torch.equal(a["w"], w) and a["again"] is a["w"] and a["step"] == 7
     assert a["bf16"].dtype == torch.bfloat16 and torch.equal(a["bf16"], files["a.pt"]["bf16"])

@@ -42,6 +42,7 @@ from ..errors import (
 )
 from ..policy import failure as failure_policy
 from ..protocol import GroupEvent, LeaseLost, Report, Reported
+from ..snapshots.rounds import SnapshotRound, SnapshotTier
 from ..storage.checkpoint_manager import CheckpointManager
 from ..storage.run_state import (
     AttemptRecord,
@@ -70,7 +71,6 @@ from .group_events import (
 )
 from .ports import Cluster, GroupPlan
 from .rounds import ReportRounds, Round, collision_warning, label_conflict
-from .snapshots import SnapshotRound, SnapshotTier
 from .state import (
     Attempt,
     Draining,
@@ -251,7 +251,7 @@ class Controller:
         group.place(self.plan, self.dead_workers)
         snap = self._snapshot_to_restore()
         start = snap.index if snap is not None else self.state.report_index
-        group.start(self.plan, self.state.latest, start, snap.spec() if snap else None)
+        group.start(self.plan, self.state.latest, start, snap)
         self.snapshots.started(group.attempt_id, snap)
         record = AttemptRecord(
             attempt=attempt,
@@ -272,7 +272,7 @@ class Controller:
 
     def _snapshot_to_restore(self) -> SnapshotRound | None:
         """The newest complete snapshot round of this driver's lineage newer than the latest
-        checkpoint on storage, if the holders still have one (`controller.snapshots`)."""
+        checkpoint on storage, if the holders still have one (`ft_train.snapshots.rounds`)."""
         if not self.snapshots.lineage:
             return None
         held = self.cluster.held_snapshots(self._run_uri)

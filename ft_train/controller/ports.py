@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..protocol import GroupEvent
+from ..snapshots.piece import SnapshotPiece, SnapshotRound
 from ..storage.fs import Storage
 from ..storage.run_state import FailureKind
 
@@ -51,9 +52,9 @@ class Group(Protocol):
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        snapshot: dict[str, Any] | None = None,
+        snapshot: SnapshotRound | None = None,
     ) -> None:
-        """Start a rank on each placed worker."""
+        """Start a rank on each placed worker (`snapshot`: the round they restore from)."""
         ...
 
     def stop(self, grace_s: float = 0.0, kill_first: Collection[str] = ()) -> set[str]:
@@ -94,8 +95,9 @@ class Cluster(Protocol):
         """Have every worker's nanny (and those that join later) hold snapshot pieces."""
         ...
 
-    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
-        """The snapshot pieces held for the run, each checked (`worker.snapshot_store`)."""
+    def held_snapshots(self, run_uri: str) -> list[SnapshotPiece]:
+        """The snapshot pieces held for the run, a copy each, as their holders describe them
+        (`ft_train.snapshots.holders`)."""
         ...
 
     def drop_snapshots(self, run_uri: str) -> None: ...

@@ -34,14 +34,15 @@ from .. import knobs
 from ..compat import dask_broker
 from ..controller.ports import GroupPlan
 from ..protocol import GroupEvent, PreemptNotice, RankEnded, RankSpec, Reported, WorkerLost, message
+from ..snapshots import holders as snapshot_holders
+from ..snapshots.piece import SnapshotPiece, SnapshotRound
+from ..snapshots.store import SnapshotHolder, SnapshotWorkerHolder
 from ..storage.run_state import FailureKind
 from ..worker import journal, preemption
 from ..worker.journal import run_key
 from ..worker.preemption import PreemptionWatcher
 from ..worker.rank import run_rank
-from ..worker.snapshot_store import SnapshotHolder, SnapshotWorkerHolder
 from ..worker.warm import WarmImports
-from . import snapshot_holders
 from .placement import await_workers, more_workers_available
 
 logger = logging.getLogger("ft_train")
@@ -79,7 +80,7 @@ class WorkerGroup:
         plan: GroupPlan,
         checkpoint_dir: str | None,
         start_report_index: int,
-        snapshot: dict[str, Any] | None = None,
+        snapshot: SnapshotRound | None = None,
     ) -> None:
         addrs, ports, info = self.addresses, self._ports, self._info
         placed = snapshot_holders.place_holders(addrs, info)
@@ -339,7 +340,7 @@ class DaskCluster:
         # Holders given to ranks: a holder whose worker the scheduler dropped (its nanny is
         # restarting it) is asked too, though not listed until the new worker joins.
         self.placed: set[str] = set()
-        self.dead_holders: set[str] = set()  # not asked again (`snapshot_holders`)
+        self.dead_holders: set[str] = set()  # not asked again (`ft_train.snapshots.holders`)
 
     def new_group(self, attempt: int, events, run_uri: str) -> WorkerGroup:
         group = WorkerGroup(self.client, attempt, events, run_uri)
@@ -365,7 +366,7 @@ class DaskCluster:
         self._register(SnapshotHolder(), 0.0, logger.warning)
         self._register(SnapshotWorkerHolder(), 0.0, logger.warning)
 
-    def held_snapshots(self, run_uri: str) -> list[dict[str, Any]]:
+    def held_snapshots(self, run_uri: str) -> list[SnapshotPiece]:
         return snapshot_holders.held(self.client, run_key(run_uri), self.placed, self.dead_holders)
 
     def drop_snapshots(self, run_uri: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import CheckpointDamagedError, SessionError, StorageError
 from ..ray_names import RefusesRayNames
-from ..worker import download_cache
+from ..worker import download_cache, scratch
 from .fs import Storage, file_digest
 
 MANIFEST = ".ft_manifest.json"
@@ -173,7 +173,7 @@ class Checkpoint(RefusesRayNames):
                 self._verify(path, self.manifest()["files"])
             yield path
         else:
-            root = os.path.join(tempfile.gettempdir(), download_cache.CACHE)
+            root = scratch.folder(download_cache.CACHE)
             with download_cache.cached(root, self.path, self.download_verified) as path:
                 yield path
 

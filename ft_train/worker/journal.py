@@ -35,27 +35,22 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import threading
 import time
 from typing import Any, NamedTuple
 
 from ..protocol import Report, UploadIntent
+from . import scratch
 
 _INDEX = struct.Struct("<q")
 _TIME = struct.Struct("<d")
 
 
-def shared_memory() -> str | None:
-    """The node's shared memory (/dev/shm) where it has one this process may write, else None."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-
-
 def journal_root() -> str:
     """Shared memory where the node has it (a write costs a microsecond, no disk), else the
-    temporary directory. The same on a worker and on its nanny (they share the environment)."""
-    return os.path.join(shared_memory() or tempfile.gettempdir(), "ft-train-journal")
+    temporary directory (`scratch`). The same on a worker and on its nanny (they share the
+    environment)."""
+    return scratch.folder("ft-train-journal", memory=True)
 
 
 def run_key(run_uri: str) -> str:

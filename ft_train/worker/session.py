@@ -65,13 +65,13 @@ from ..protocol import (
 )
 from ..ray_names import RefusesRayNames
 from ..report_config import CheckpointConsistencyMode, CheckpointUploadMode, UploadMode
+from ..snapshots.rank import RankSnapshots, Saver, Snapshot, StateFn, jit_saver
 from ..storage import checkpoint_manager
 from ..storage.checkpoint import Checkpoint
 from . import preemption, reported_checkpoints
 from .checkpoint_labels import Labels
 from .journal import Journal
 from .reported_checkpoints import ReportedCheckpoint
-from .snapshots import RankSnapshots, Saver, Snapshot, StateFn, jit_saver
 from .uploads import Uploads
 
 
@@ -179,7 +179,7 @@ class Session:
         self._uploads: Uploads | None = None  # created by the first asynchronous upload
         self._labels = Labels(spec.storage, spec.name)  # report(checkpoint_dir_name=...)
         self._last_checkpoint = 0  # the last report index this rank attached a checkpoint at
-        self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.worker.snapshots`)
+        self.snapshots = RankSnapshots.of(spec)  # the in-memory tier (`ft_train.snapshots`)
 
     def checkpoint(self) -> Checkpoint | None:
         s = self.spec
@@ -506,7 +506,7 @@ def get_preemption_info() -> PreemptionInfo | None:
 
 
 def enable_jit_checkpoint(save: Saver | None = None, *, files: StateFn | None = None) -> None:
-    """Opt in to a just-in-time save when a peer fails (`ft_train.worker.snapshots`): when
+    """Opt in to a just-in-time save when a peer fails (`ft_train.snapshots`): when
     another rank of the group fails, this rank saves its state before it stops, and the restart
     resumes from that save when it is newer than the latest checkpoint or snapshot round.
 
@@ -551,7 +551,7 @@ def report(
     `CheckpointConfig.snapshot_every`-th report and ignored at the others: {file name: state},
     copied into one buffer kept from one snapshot to the next and sent to the holders in the
     background (a restore saves the files with torch.save), or a function save(directory)
-    called in report() (`ft_train.worker.snapshots`)."""
+    called in report() (`ft_train.snapshots`)."""
     if checkpoint_upload_fn is not None or validation:  # refused wherever it is called
         report_config.refuse_unsupported(checkpoint_upload_fn, validation)
     _current().report(

@@ -20,7 +20,8 @@ Contract:
   raise it as a `StorageError`, an ordinary rank failure that the run retries;
 - a snapshot's staging directory is removed once its upload succeeded, failed or was dropped.
   A killed process cannot do that: each process holds an flock on its own staging directory,
-  and the next `Uploads` to use the same staging root removes those whose lock is free.
+  and the next `Uploads` to use the same staging root removes those whose lock is free
+  (`scratch.claim_dir`).
 
 The uploaded files of a failed or killed upload stay in storage as an uncommitted directory,
 which the driver's `collect_orphans` removes.
@@ -31,7 +32,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import tempfile
@@ -44,6 +44,7 @@ from .. import knobs
 from ..errors import SessionError, StorageError
 from ..protocol import Report
 from ..storage.fs import Storage, UploadStopped, local_files
+from . import scratch
 
 STAGING = "ft-train-staging"
 
@@ -70,7 +71,7 @@ class Uploads:
         staging_root: str | None = None,
     ):
         self.storage, self.send, self.max_in_flight = storage, send, max_in_flight
-        self._tmp_root = staging_root or os.path.join(tempfile.gettempdir(), STAGING)
+        self._tmp_root = staging_root or scratch.folder(STAGING)
         self._own: dict[str, tuple[str, int]] = {}  # staging root -> (our directory, lock fd)
         self._jobs: collections.deque[_Job] = collections.deque()  # [0] is uploading
         self._cond = threading.Condition()
@@ -127,9 +128,7 @@ class Uploads:
         for job in jobs:
             shutil.rmtree(job.staged, ignore_errors=True)
         for path, fd in own.values():
-            shutil.rmtree(path, ignore_errors=True)
-            _unlink(path + ".lock")
-            os.close(fd)
+            scratch.release(path, fd)
 
     # -- the background thread ------------------------------------------------------------------
 
@@ -226,36 +225,13 @@ class Uploads:
     def _own_dir(self, root: str) -> str:
         """This session's directory under `root`, locked for its lifetime."""
         if root not in self._own:
-            own = claim_dir(root)
+            own = scratch.claim_dir(root)
             with self._cond:
                 self._own[root] = own
         return self._own[root][0]
 
 
-def claim_dir(root: str) -> tuple[str, int]:
-    """A new directory under `root` and the fd of its flock: the directory is its owner's while
-    the fd is open (a killed process's lock is free). Removes first the directories under
-    `root` whose owner is gone."""
-    os.makedirs(root, exist_ok=True)
-    _sweep(root)
-    while True:
-        own = os.path.join(root, uuid.uuid4().hex)
-        # Crash ordering: the lock is held before the directory exists, so a sweeper that finds
-        # a directory and gets its lock knows that its owner is gone.
-        fd = os.open(own + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if _same_file(fd, own + ".lock"):
-            break
-        os.close(fd)  # a sweeper took the lock between its creation and our flock
-    os.makedirs(own)
-    return own, fd
-
-
 # -- staging_dir: where a rank writes a checkpoint before report() -----------------------------
-
-RAM_ROOTS = ("/dev/shm",)  # memory-backed filesystems, where they exist
-_process_dirs: dict[str, str] = {}  # root -> this process's directory (locked until exit)
-_process_dirs_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -274,59 +250,16 @@ def staging_dir(size_bytes: int | None = None) -> Iterator[str]:
             f"staging_dir(size_bytes={size_bytes!r}): give the checkpoint's size in bytes (an "
             "int >= 0), or None for a directory on disk"
         )
-    root = os.path.join(_ram_root(size_bytes) or tempfile.gettempdir(), STAGING)
-    path = tempfile.mkdtemp(prefix="checkpoint-", dir=process_dir(root))
+    in_memory = (
+        size_bytes is not None
+        and size_bytes * (knobs.MAX_IN_FLIGHT_UPLOADS + 1) <= scratch.memory_free() // 2
+    )
+    root = scratch.folder(STAGING, memory=in_memory)
+    path = tempfile.mkdtemp(prefix="checkpoint-", dir=scratch.process_dir(root))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def process_dir(root: str) -> str:
-    """This process's directory under `root` (`claim_dir`), the same for its lifetime: what a
-    killed process left in its own is removed by the next process that claims one there."""
-    with _process_dirs_lock:
-        if root not in _process_dirs:
-            try:  # the lock's fd stays open with the process
-                _process_dirs[root] = claim_dir(root)[0]
-            except OSError:  # the root is another user's: a directory of our own, unswept
-                _process_dirs[root] = tempfile.mkdtemp(
-                    prefix=os.path.basename(root) + "-", dir=os.path.dirname(root)
-                )
-        return _process_dirs[root]
-
-
-def _ram_root(size_bytes: int | None) -> str | None:
-    if size_bytes is None:
-        return None
-    for root in RAM_ROOTS:
-        try:
-            st = os.statvfs(root)
-        except OSError:
-            continue
-        free = min(st.f_bavail * st.f_frsize, _memory_available())
-        if os.access(root, os.W_OK) and size_bytes * (knobs.MAX_IN_FLIGHT_UPLOADS + 1) <= free // 2:
-            return root
-    return None
-
-
-def _memory_available() -> int:
-    """MemAvailable from /proc/meminfo (a tmpfs's size may exceed the memory that is free)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
 
 
 def _device(path: str) -> int | None:
@@ -334,33 +267,3 @@ def _device(path: str) -> int | None:
         return os.stat(path).st_dev
     except OSError:
         return None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # a sweeper removed it already
-
-
-def _sweep(root: str) -> None:
-    """Remove the staging directories (and stray locks) under `root` of processes that died."""
-    for name in os.listdir(root):
-        base = name[: -len(".lock")] if name.endswith(".lock") else name
-        lock = os.path.join(root, base + ".lock")
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:
-            if not name.endswith(".lock"):  # an owner creates its lock first: this one is gone
-                shutil.rmtree(os.path.join(root, base), ignore_errors=True)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # its owner is alive
-            continue
-        try:
-            shutil.rmtree(os.path.join(root, base), ignore_errors=True)
-            _unlink(lock)
-        finally:
-            os.close(fd)

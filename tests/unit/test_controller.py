@@ -23,6 +23,7 @@ from ft_train.controller import (
 )
 from ft_train.errors import AttemptFailed, RunLockedError, SessionError, TrainingFailedError
 from ft_train.protocol import Report, Reported
+from ft_train.snapshots.piece import SnapshotPiece
 from ft_train.storage.checkpoint_manager import CheckpointManager
 from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunState, RunStore
@@ -334,17 +335,9 @@ def test_ranks_that_joined_by_their_journals_do_not_count_as_a_failed_start(make
     assert ctl.start_failures == 0 and ctl.state.charged_failures == 4
 
 
-def held(attempt_id: str, rank: int, index: int) -> dict:
+def held(attempt_id: str, rank: int, index: int) -> SnapshotPiece:
     """A holder's answer for one copy of a rank's snapshot piece."""
-    return {
-        "holder": f"tcp://n{rank}:1",
-        "attempt_id": attempt_id,
-        "rank": rank,
-        "index": index,
-        "kind": "snapshot",
-        "world_size": 2,
-        "size": 1,
-    }
+    return SnapshotPiece(attempt_id, rank, index, "snapshot", 2, 1, holder=f"tcp://n{rank}:1")
 
 
 @pytest.mark.parametrize("lost_while_placing", [False, True])

@@ -4,7 +4,7 @@ A rank writes its piece once into a file in `/dev/shm` (`write`), and a holder o
 takes it by a hard link of its own and a read-only map of the file (`link`): one copy in memory
 for the rank's two holders on its host, and no bytes through a socket. A holder on another host
 cannot link the file (the path is not there, or is another host's) and takes the bytes over
-Dask's comms instead, as `snapshot_store` says. A restoring rank reads a copy held in a file
+Dask's comms instead, as `store` says. A restoring rank reads a copy held in a file
 from its path where it can open it (`open_held`).
 
 The file outlives every process that has a name for it until the last name is removed, so a
@@ -25,16 +25,17 @@ import os
 import uuid
 from typing import Any
 
-from .journal import shared_memory
+from ..worker import scratch
 
 NOT_HERE = "not on this host"  # a holder's answer to a path it cannot link: send the bytes
 
 
 def directory() -> str | None:
-    """The host's shared directory for pieces, or None where the host has no /dev/shm to write."""
-    if (shm := shared_memory()) is None:
+    """The host's shared directory for pieces, or None where the host has no shared memory to
+    write (`scratch.shared_memory`)."""
+    if scratch.shared_memory() is None:
         return None
-    d = os.path.join(shm, "ft-train-snapshots")
+    d = scratch.folder("ft-train-snapshots", memory=True)
     try:
         os.makedirs(d, exist_ok=True)
     except OSError:

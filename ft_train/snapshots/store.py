@@ -1,7 +1,7 @@
 """The holder's side of the in-memory snapshot tier: the pieces ranks sent, in memory.
 
-A rank's snapshot piece (its files, packed as one zip blob) is held by two *nannies*
-where the cluster has them: its own worker's and a peer worker's (`driver.snapshot_holders`).
+A rank's snapshot piece (one blob, `format`) is held by two *nannies* where the cluster has
+them: its own worker's and a peer worker's (`holders`).
 A nanny is a different process from the rank, which outlives its worker as the journals' reader
 does, so a rank's death (SIGKILL, the OOM killer, the driver killing its worker) loses no copy,
 and the loss of the rank's node loses one copy of two. A worker without a nanny holds pieces
@@ -14,16 +14,19 @@ four handlers to the holder's Dask server, reached over Dask's own comms (`Serve
     ft_train_snapshot_get       one piece's bytes
     ft_train_snapshot_drop      forget a run
 
+A piece's record crosses them in its wire form (`SnapshotPiece.to_dict`): `put` takes it and
+`describe` answers with it; inside the store it is a `SnapshotPiece`.
+
 Bounded: a holder keeps at most `knobs.SNAPSHOTS_PER_RANK` pieces per (run, rank), the oldest
 received dropped first, whatever attempt sent them (a round is identified by its attempt id and
-report index, so pieces of two attempts are never taken for one round: `controller.snapshots`).
+report index, so pieces of two attempts are never taken for one round: `rounds`).
 A nanny holds its own rank's pieces and a peer rank's: twice one rank's.
 
 A holder keeps a piece as it arrived (no copy) and does not check it: the rank that restores it
-does, before it uses it (each file's CRC-32 in the zip), and takes another copy, or fails over to
-an older round or to storage, when it is damaged (`ft_train.worker.snapshots`). Checking at every
-put and every describe as well cost the holders CPU at every snapshot, on the ranks' cores, and
-the restart its time (bench/README.md).
+does, before it uses it (its CRC-32s, `format`), and takes another copy, or fails over to an
+older round or to storage, when it is damaged (`rank`). Checking at every put and every
+describe as well cost the holders CPU at every snapshot, on the ranks' cores, and the restart its
+time (bench/README.md).
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from distributed.protocol import to_serialize
 
 from .. import knobs
 from . import piece_files
+from .piece import SnapshotPiece
 
 logger = logging.getLogger("ft_train")
 
 HANDLERS = ("put", "describe", "get", "drop")
+
+
+def handler(op: str) -> str:
+    """The name of the holder's handler for `op` (one of HANDLERS), as a rank and the driver
+    call it over Dask's comms."""
+    return f"ft_train_snapshot_{op}"
+
 
 # holder address -> its store: the holders in this process (a local cluster's nannies run in
 # the driver's process), for a test or a measurement that looks at what they hold.
@@ -51,26 +62,11 @@ STORES: dict[str, SnapshotStore] = {}
 
 @dataclass
 class HeldPiece:
-    attempt_id: str
-    rank: int
-    index: int
-    kind: str  # "snapshot" (every rank's, every N reports) or "jit" (a survivor's, on a failure)
-    world_size: int
-    size: int  # as the rank sent it
+    """A piece as this holder keeps it: its record, its bytes, and its file if it has one."""
+
+    piece: SnapshotPiece
     blob: memoryview
     path: str | None = None  # this holder's name for the piece's file in /dev/shm, if in one
-
-    def info(self, holder: str) -> dict[str, Any]:
-        return {
-            "holder": holder,
-            "attempt_id": self.attempt_id,
-            "rank": self.rank,
-            "index": self.index,
-            "kind": self.kind,
-            "world_size": self.world_size,
-            "size": self.size,
-            "path": self.path,  # a rank on this host reads the piece from it
-        }
 
     def forget(self) -> None:
         piece_files.unlink(self.path)  # the memory goes with the last name and map
@@ -89,15 +85,17 @@ class SnapshotStore:
     def put(
         self, run: str, piece: dict[str, Any], blob: Any = None, path: str | None = None
     ) -> dict[str, Any]:
-        """Hold a piece: its bytes (`blob`), or the file the rank wrote (`path`) where this
-        holder is on the rank's host, else NOT_HERE (the rank then sends the bytes)."""
+        """Hold a piece (`piece`: its wire form, `SnapshotPiece.to_dict`): its bytes (`blob`),
+        or the file the rank wrote (`path`) where this holder is on the rank's host, else
+        NOT_HERE (the rank then sends the bytes)."""
+        record = SnapshotPiece.from_dict(piece)
         if path is not None:
             if (linked := piece_files.link(path)) is None:
                 return {"status": piece_files.NOT_HERE}
             path, blob = linked
-        held = HeldPiece(blob=memoryview(blob), path=path, **{k: piece[k] for k in _FIELDS})
+        held = HeldPiece(record, memoryview(blob), path)
         with self._lock:
-            slot = self.pieces.setdefault((run, held.rank), deque())
+            slot = self.pieces.setdefault((run, record.rank), deque())
             slot.append(held)
             while len(slot) > knobs.SNAPSHOTS_PER_RANK:
                 slot.popleft().forget()
@@ -105,15 +103,17 @@ class SnapshotStore:
         return {"status": "OK"}
 
     def describe(self, run: str) -> list[dict[str, Any]]:
+        """What this holder holds for `run`, a piece each, in their wire form: a rank on this
+        host reads a piece from its `path`."""
         with self._lock:
-            held = [p for (r, _), slot in self.pieces.items() if r == run for p in slot]
-        return [p.info(self.address) for p in held]
+            held = [h for (r, _), slot in self.pieces.items() if r == run for h in slot]
+        return [h.piece.held_by(self.address, h.path).to_dict() for h in held]
 
     def get(self, run: str, attempt_id: str, rank: int, index: int, kind: str) -> Any:
         with self._lock:
-            for p in self.pieces.get((run, rank), ()):
-                if (p.attempt_id, p.index, p.kind) == (attempt_id, index, kind):
-                    return {"status": "OK", "blob": to_serialize(p.blob)}
+            for h in self.pieces.get((run, rank), ()):
+                if h.piece.round_key == (attempt_id, index, kind):
+                    return {"status": "OK", "blob": to_serialize(h.blob)}
         return {"status": "missing"}
 
     def drop(self, run: str) -> int:
@@ -134,38 +134,28 @@ class SnapshotStore:
 
     def held_bytes(self, run: str | None = None) -> int:
         return sum(
-            p.blob.nbytes
+            h.blob.nbytes
             for (r, _), slot in list(self.pieces.items())
             if run is None or r == run
-            for p in slot
+            for h in slot
         )
 
     def held_pieces(self, run: str) -> dict[int, list[int]]:
         """rank -> the report indexes held for it (a measurement's view)."""
         with self._lock:
-            return {k[1]: [p.index for p in s] for k, s in self.pieces.items() if k[0] == run}
-
-
-_FIELDS = ("attempt_id", "rank", "index", "kind", "world_size", "size")
+            return {k[1]: [h.piece.index for h in s] for k, s in self.pieces.items() if k[0] == run}
 
 
 def _install(server) -> None:
     piece_files.sweep()
     store = SnapshotStore(server.address)
-    server.handlers.update(
-        {
-            "ft_train_snapshot_put": store.put,
-            "ft_train_snapshot_describe": store.describe,
-            "ft_train_snapshot_get": store.get,
-            "ft_train_snapshot_drop": store.drop,
-        }
-    )
+    server.handlers.update({handler(op): getattr(store, op) for op in HANDLERS})
     STORES[server.address] = store
 
 
 def _uninstall(server) -> None:
-    for name in HANDLERS:
-        server.handlers.pop(f"ft_train_snapshot_{name}", None)
+    for op in HANDLERS:
+        server.handlers.pop(handler(op), None)
     if (store := STORES.pop(server.address, None)) is not None:
         store.close()
 

@@ -1,14 +1,15 @@
-"""Which in-memory snapshot round a restart restores from, if any (`ft_train.worker.snapshots`).
+"""Which in-memory snapshot round a restart restores from, if any: the controller's view of
+the tier.
 
 The holders say what they hold (`Cluster.held_snapshots`). A rank's piece may have two copies,
-on two holders (`driver.snapshot_holders`). A round is one attempt's pieces at one report
-index, never pieces of two attempts. A snapshot round is complete when every rank of its
+on two holders (`holders`). A round is one attempt's pieces at one report index and of one
+kind, never pieces of two attempts (`piece`). A snapshot round is complete when every rank of its
 attempt has a copy of its piece held; a just-in-time round (saved by the survivors of a
 failure) when at least one survivor's piece is. The restart takes the newest complete round
 newer than the latest checkpoint on storage (a snapshot round before a just-in-time one at the
-same index), else storage. The restoring ranks check each copy's sha256 as they fetch it: a
-round with a piece of which no copy matches is found unusable then (`SnapshotTier.unusable`),
-and the next restart passes it over.
+same index), else storage. The restoring ranks check each copy's CRC-32 as they fetch it
+(`format`): a round with a piece of which no copy is held whole is found unusable then
+(`SnapshotTier.unusable`), and the next restart passes it over.
 
 Only the attempts of this driver's current lineage count: the attempt that ran last, and those
 before it back to the one that restored from storage. A round of an attempt that a restart from
@@ -19,34 +20,18 @@ driver starts from storage, as it always has.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from .piece import KINDS, SnapshotPiece, SnapshotRound, parse_where
 
 
-@dataclass(frozen=True)
-class SnapshotRound:
-    attempt_id: str
-    index: int
-    kind: str  # "snapshot" or "jit"
-    pieces: tuple[dict[str, Any], ...]  # every copy held, by rank: holder, rank, sha256, ...
-
-    def spec(self) -> dict[str, Any]:
-        """What each rank of the next group is started with (`RankSpec.snapshot`)."""
-        return {"attempt_id": self.attempt_id, "index": self.index, "pieces": list(self.pieces)}
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind} {self.index} of attempt {self.attempt_id[:8]}"
-
-
-def complete_rounds(held: list[dict[str, Any]]) -> list[SnapshotRound]:
+def complete_rounds(held: list[SnapshotPiece]) -> list[SnapshotRound]:
     """Every complete round in `held` (the holders' answers, a copy each), newest first."""
-    by_round: dict[tuple[str, int, str], dict[int, list[dict[str, Any]]]] = {}
+    by_round: dict[tuple, dict[int, list[SnapshotPiece]]] = {}
     for p in held:
-        key = (p["attempt_id"], p["index"], p["kind"])
-        by_round.setdefault(key, {}).setdefault(p["rank"], []).append(p)
+        by_round.setdefault(p.round_key, {}).setdefault(p.rank, []).append(p)
     rounds = []
     for (attempt_id, index, kind), copies in by_round.items():
-        world = max(p["world_size"] for ps in copies.values() for p in ps)
+        world = max(p.world_size for ps in copies.values() for p in ps)
         if set(copies) == set(range(world)) or kind == "jit":
             ordered = tuple(p for r in sorted(copies) for p in copies[r])
             rounds.append(SnapshotRound(attempt_id, index, kind, ordered))
@@ -61,10 +46,10 @@ class SnapshotTier:
     lineage: list[str] = field(default_factory=list)
     bad: set[tuple[str, int, str]] = field(default_factory=set)
 
-    def choose(self, held: list[dict[str, Any]], newer_than: int) -> SnapshotRound | None:
+    def choose(self, held: list[SnapshotPiece], newer_than: int) -> SnapshotRound | None:
         """The round to restore from: the newest complete one of the lineage, newer than the
         latest checkpoint on storage (report index `newer_than`); None: from storage."""
-        ours = [p for p in held if p["attempt_id"] in self.lineage]
+        ours = [p for p in held if p.attempt_id in self.lineage]
         for rnd in complete_rounds(ours):
             if rnd.index > newer_than and (rnd.attempt_id, rnd.index, rnd.kind) not in self.bad:
                 return rnd
@@ -75,10 +60,10 @@ class SnapshotTier:
         self.lineage = [*self.lineage, attempt_id] if restored is not None else [attempt_id]
 
     def unusable(self, where: str) -> bool:
-        """A rank found the round at `where` (snapshot://attempt_id/index) unusable; False if
-        `where` is not a snapshot round's."""
-        if not where.startswith("snapshot://"):
+        """A rank found the round at `where` (`SnapshotRound.where`) unusable; False if `where`
+        is not a snapshot round's."""
+        if (found := parse_where(where)) is None:
             return False
-        attempt_id, index = where[len("snapshot://") :].rsplit("/", 1)
-        self.bad |= {(attempt_id, int(index), k) for k in ("snapshot", "jit")}
+        attempt_id, index = found
+        self.bad |= {(attempt_id, index, k) for k in KINDS}
         return True

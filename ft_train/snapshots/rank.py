@@ -2,26 +2,25 @@
 background, save just in time when a peer fails, and restore a round.
 
 `report(..., snapshot=...)`: at every `CheckpointConfig.snapshot_every`-th report, the rank
-takes its *piece* of the round, one blob, in one of two ways:
+takes its *piece* of the round, one blob, in one of two ways (`format` describes both):
 
 - `snapshot={"rank0.pt": state, ...}`: a file name -> what `torch.save` takes (a state dict).
   report() copies the tensors into one buffer it keeps for the next snapshot, behind the state's
-  structure (`flat_state`: a memcpy, a few ms for tens of MB) and returns; the CRC-32 and the
+  structure (`format`: a memcpy, a few ms for tens of MB) and returns; the CRC-32 and the
   sends run in the background, as in CheckFreq and Gemini. No torch.save until a restore
   needs the files. A state with a tensor that format does not take (sparse, quantized, a
   subclass) is saved with torch.save into a zip at once, on the rank's thread.
 - `snapshot=save`: report() calls `save(directory)` and packs what it wrote into a zip (stored,
   not compressed), before it returns.
 
-A thread sends the piece to the rank's holders (its own nanny and a peer worker's,
-`driver.snapshot_holders`) at once: a holder on the rank's host links the file the thread
-wrote the piece into in /dev/shm (`piece_files`), one on another host takes the bytes over
-Dask's comms. One piece is in flight at a time: the next snapshot waits for the previous one
-to be sent, so once report() returns at a snapshot round, the rank's piece of the round before
-is held (or a send failed, which is logged: snapshots are a tier above the checkpoints on
-storage, never in place of them). A holder that failed a send is not sent to again by this
-rank: it is gone or silent, and each try would hold the next snapshot up to
-knobs.SNAPSHOT_SEND_TIMEOUT_S.
+A thread sends the piece to the rank's holders (its own nanny and a peer worker's, `holders`) at
+once: a holder on the rank's host links the file the thread wrote the piece into in /dev/shm
+(`piece_files`), one on another host takes the bytes over Dask's comms. One piece is in flight
+at a time: the next snapshot waits for the previous one to be sent, so once report() returns at
+a snapshot round, the rank's piece of the round before is held (or a send failed, which is
+logged: snapshots are a tier above the checkpoints on storage, never in place of them). A holder
+that failed a send is not sent to again by this rank: it is gone or silent, and each try would
+hold the next snapshot up to knobs.SNAPSHOT_SEND_TIMEOUT_S.
 
 `enable_jit_checkpoint(save)`: when this rank fails because a peer went away (its collective
 saw the closed connection), it calls `save(directory)` and sends the piece, waited for until a
@@ -30,7 +29,7 @@ that failed first does nothing extra. A restart restores from such a piece when 
 exists.
 
 A restore fetches every rank's piece of the round the driver chose, from the first of its
-copies that is still held and whole (its CRC-32s, as packed): from the holder's file where
+copies that is still held and whole (its CRC-32s, `format.whole`): from the holder's file where
 this host has it, else over Dask's comms. It unpacks them into one local directory (the lowest
 rank's file wins where two ranks wrote the same name): what `get_checkpoint()` returns, as from
 storage. It starts as the rank does, on the snapshot thread, while the rank joins its group and
@@ -53,15 +52,17 @@ from typing import TYPE_CHECKING, Any
 from .. import knobs
 from ..errors import CheckpointDamagedError, SessionError
 from ..storage.checkpoint import Checkpoint
+from ..worker import scratch
+from ..worker.journal import run_key
 from . import piece_files
-from .journal import run_key
-from .uploads import process_dir
+from .piece import Kind, SnapshotPiece, SnapshotRound
+from .store import handler
 
 RESTORED = "ft-train-restored"  # under the temporary directory: the rounds restored, by process
 
 if TYPE_CHECKING:
     from ..protocol import RankSpec
-    from .flat_state import FlatStager
+    from .format import FlatStager
 
 logger = logging.getLogger("ft_train")
 
@@ -73,14 +74,14 @@ Snapshot = Mapping[str, Any] | Saver  # report(snapshot=...): {file name: state}
 
 def _piece(stager: FlatStager, files: Mapping[str, Any]) -> memoryview:
     """`files`' piece: flat, its tensors copied now and its CRC-32 not yet written
-    (`flat_state.seal`), or torch.save's zip where a tensor is not plain (rare: on this
+    (`format.seal`), or torch.save's zip where a tensor is not plain (rare: on this
     thread)."""
-    from . import flat_state  # torch: not on `import ft_train`
+    from .format import NotPlain, pack_state  # torch: not on `import ft_train`
 
     try:
         return stager.stage(files)
-    except flat_state.NotPlain:
-        return flat_state.pack_state(files)
+    except NotPlain:
+        return pack_state(files)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class RankSnapshots:
         self.sent = self.failed = 0
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: Any = None  # flat_state.FlatStager: the copies' buffer, kept for the next
+        self._stager: Any = None  # format.FlatStager: the copies' buffer, kept for the next
         self._restoring: Future[str] | None = None  # the round to restore, being fetched
         self._worker = _this_worker()  # the rank's; the sending thread is not a Dask thread
         if self._worker is None:
@@ -158,7 +159,7 @@ class RankSnapshots:
         if not self.holders or not self.every or index % self.every:
             return
         if callable(snapshot):
-            from .flat_state import pack  # torch: not on `import ft_train`
+            from .format import pack  # torch: not on `import ft_train`
 
             blob = pack(snapshot)
             self.wait()  # one piece in flight: the previous one is held (or failed) first
@@ -173,7 +174,7 @@ class RankSnapshots:
         if self._stager is None:
             import torch
 
-            from .flat_state import FlatStager
+            from .format import FlatStager
 
             # a holder in this process (Dask's inproc transport) keeps the very buffer sent
             reuse = not any(h.startswith("inproc://") for h in self.holders)
@@ -186,9 +187,9 @@ class RankSnapshots:
             ) from e
 
     def _seal_and_send(self, piece: memoryview, index: int) -> None:
-        from . import flat_state
+        from .format import seal
 
-        self._send(flat_state.seal(piece), index, "snapshot")
+        self._send(seal(piece), index, "snapshot")
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._pending = self._thread().submit(fn, *args)
@@ -215,34 +216,27 @@ class RankSnapshots:
         in, and wait (bounded) until a holder has the piece."""
         if self.jit_saver is None or not self.holders:
             return
-        from . import flat_state
+        from .format import FlatStager, pack, seal
 
         try:
             if isinstance(self.jit_saver, Files):
                 files = self.jit_saver.files()
                 check_snapshot(files)
-                blob = flat_state.seal(_piece(flat_state.FlatStager(reuse=False), files))
+                blob = seal(_piece(FlatStager(reuse=False), files))
             else:
-                blob = flat_state.pack(self.jit_saver)
+                blob = pack(self.jit_saver)
         except Exception as e:  # the rank fails anyway, with its own error; the save is lost
             logger.warning("ft-train: rank %d: just-in-time save failed: %r", self.rank, e)
             return
         self.wait(knobs.FAIL_FLUSH_S)
         self._send(blob, index, "jit", until_held=True)
 
-    def _send(self, blob: Buffer, index: int, kind: str, until_held: bool = False) -> None:
+    def _send(self, blob: Buffer, index: int, kind: Kind, until_held: bool = False) -> None:
         """The piece to every holder at once; returns once each has answered, or with
         `until_held` once one holds it (the other sends go on). Written into /dev/shm first,
         once, for the holders on this host."""
         path = piece_files.write(blob) if self.holders else None
-        piece = {
-            "attempt_id": self.attempt_id,
-            "rank": self.rank,
-            "index": index,
-            "kind": kind,
-            "world_size": self.world,
-            "size": len(blob),
-        }
+        piece = SnapshotPiece(self.attempt_id, self.rank, index, kind, self.world, len(blob))
         held: Future[bool] = Future()  # done once a holder holds the piece
         sends = asyncio.run_coroutine_threadsafe(
             self._put_all(piece, blob, path, held),
@@ -255,7 +249,7 @@ class RankSnapshots:
             sends.result()
 
     async def _put_all(
-        self, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future[bool]
+        self, piece: SnapshotPiece, blob: Buffer, path: str | None, held: Future[bool]
     ) -> None:
         """`_put` to every holder at once (each bounded by knobs.SNAPSHOT_SEND_TIMEOUT_S),
         then this process's name for the file goes: the holders' own names keep it."""
@@ -265,13 +259,14 @@ class RankSnapshots:
             piece_files.unlink(path)
 
     async def _put(
-        self, holder: str, piece: dict[str, Any], blob: Buffer, path: str | None, held: Future
+        self, holder: str, piece: SnapshotPiece, blob: Buffer, path: str | None, held: Future
     ) -> None:
         """One copy of the piece to `holder` (on the worker's event loop): by the file at
-        `path` where the holder is on this host, else by its bytes; `held` set once held."""
+        `path` where the holder is on this host, else by its bytes; `held` set once held. The
+        piece's record goes in its wire form (Dask's comms carry msgpack)."""
         from distributed.protocol import to_serialize
 
-        put = {"run": self.run, "piece": piece}
+        put = {"run": self.run, "piece": piece.to_dict()}
         try:
             answer: Any = {"status": piece_files.NOT_HERE}
             if path is not None:
@@ -289,27 +284,25 @@ class RankSnapshots:
         self.failed += 1
         logger.warning(
             "ft-train: rank %d: %s %d not held by %s: %s",
-            *(self.rank, piece["kind"], piece["index"], holder, answer),
+            *(self.rank, piece.kind, piece.index, holder, answer),
         )
 
-    def prefetch(self, snapshot: dict[str, Any] | None) -> None:
+    def prefetch(self, snapshot: SnapshotRound | None) -> None:
         """Start fetching the round `snapshot` (the driver's choice; None: none) now, on the
         snapshot thread, while the rank joins its group and builds its model."""
         if snapshot is not None and self._restoring is None:
             self._restoring = self._thread().submit(self._restore, snapshot)
 
-    def restored(self, snapshot: dict[str, Any]) -> Checkpoint:
+    def restored(self, snapshot: SnapshotRound) -> Checkpoint:
         """The round `snapshot` in a local directory, fetched once."""
         self.prefetch(snapshot)
         assert self._restoring is not None
         return Checkpoint.from_directory(self._restoring.result())
 
-    def _restore(self, snapshot: dict[str, Any]) -> str:
-        copies: dict[int, list[dict[str, Any]]] = {}  # rank -> its piece's copies
-        for piece in snapshot["pieces"]:
-            copies.setdefault(piece["rank"], []).append(piece)
+    def _restore(self, snapshot: SnapshotRound) -> str:
+        copies = snapshot.copies()
         # under a directory of this process's own, so that a killed rank's is swept
-        out = tempfile.mkdtemp(dir=process_dir(os.path.join(tempfile.gettempdir(), RESTORED)))
+        out = tempfile.mkdtemp(dir=scratch.process_dir(scratch.folder(RESTORED)))
         try:
             for rank in sorted(copies, reverse=True):
                 self._fetch(snapshot, copies[rank])(out)
@@ -318,37 +311,38 @@ class RankSnapshots:
             raise
         return out
 
-    def _fetch(self, snapshot: dict[str, Any], copies: list[dict[str, Any]]) -> Saver:
+    def _fetch(self, snapshot: SnapshotRound, copies: list[SnapshotPiece]) -> Saver:
         """One rank's piece, as a function that writes its files into a directory: the first of
-        its copies still held and whole (`flat_state.whole`), read from the holder's file where
+        its copies still held and whole (`format.whole`), read from the holder's file where
         this host has it."""
-        from .flat_state import whole  # torch: not on `import ft_train`
+        from .format import whole  # torch: not on `import ft_train`
 
         why = []
         for piece in copies:
             try:
                 blob = self._held_blob(piece)
             except Exception as e:  # gone since the driver chose: the next copy, if any
-                why.append(f"{piece['holder']}: {e if isinstance(e, LookupError) else repr(e)}")
+                why.append(f"{piece.holder}: {e if isinstance(e, LookupError) else repr(e)}")
                 continue
             try:
                 return whole(blob)
             except ValueError as e:
-                why.append(f"{piece['holder']}: {e}")
-        where = f"snapshot://{snapshot['attempt_id']}/{snapshot['index']}"
+                why.append(f"{piece.holder}: {e}")
+        where = snapshot.where
         raise CheckpointDamagedError(
-            f"{where}: no copy of rank {copies[0]['rank']}'s piece is held whole "
-            f"({'; '.join(why)})",
+            f"{where}: no copy of rank {copies[0].rank}'s piece is held whole ({'; '.join(why)})",
             where,
         )
 
-    def _held_blob(self, piece: dict[str, Any]) -> Buffer:
+    def _held_blob(self, piece: SnapshotPiece) -> Buffer:
         """A copy's bytes: from the holder's file (`piece_files`) where this host has it, else
         from the holder over Dask's comms."""
-        if piece.get("path") and (blob := piece_files.open_held(piece["path"])) is not None:
+        if piece.path and (blob := piece_files.open_held(piece.path)) is not None:
             return blob
-        key = {k: piece[k] for k in ("attempt_id", "rank", "index", "kind")}
-        answer = _call(self._worker, piece["holder"], "get", run=self.run, **key)
+        if piece.holder is None:  # a record no holder described: no one to ask
+            raise LookupError("not held")
+        key = {"attempt_id": piece.attempt_id, "rank": piece.rank, "index": piece.index}
+        answer = _call(self._worker, piece.holder, "get", run=self.run, kind=piece.kind, **key)
         status = answer.get("status") if isinstance(answer, dict) else repr(answer)
         if status != "OK":
             raise LookupError(status)
@@ -376,8 +370,8 @@ def _this_worker() -> Any:
 
 async def _rpc(worker: Any, address: str, op: str, **kwargs: Any) -> Any:
     """`op` on a holder, over the rank's worker's Dask connection pool, on its event loop."""
-    handler = getattr(worker.rpc(address), f"ft_train_snapshot_{op}")
-    return await asyncio.wait_for(handler(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
+    call = getattr(worker.rpc(address), handler(op))
+    return await asyncio.wait_for(call(**kwargs), knobs.SNAPSHOT_SEND_TIMEOUT_S)
 
 
 def _call(worker: Any, address: str, op: str, **kwargs: Any) -> Any:

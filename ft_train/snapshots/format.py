@@ -1,17 +1,42 @@
-"""A snapshot piece of {file name: state} as one flat buffer, without torch.save in the way.
+"""What a snapshot piece's bytes are: its two formats, written down once, and their CRC-32s.
 
-`report(snapshot={"rank0.pt": state})` runs at every snapshot round, on the rank's own cores:
-torch.save and a zip around it would cost the rank CPU each time, beside its training. Here the
-rank copies the state's tensors into one buffer it keeps, behind a header (the state's structure,
-pickled with each tensor as a reference), and a background pass writes the CRC-32 of the rest
-into the header. No file is written until a restore: then the state is rebuilt from the buffer
-and saved with torch.save, as the rank would have saved it (storage shared between two different
-tensors comes back as two copies of the same values).
+A piece is one blob, the same bytes wherever it is: in a holder's memory, in a file of the
+host's shared memory (`piece_files`), on the wire. Its first bytes say which format it is
+(`is_flat`): `MAGIC`, else a zip.
 
-    [0:8) MAGIC  [8:12) CRC-32 of [12:]  [12:16) header length H  [64:) tensors  [-H:] header
+**Flat** (`FlatStager.stage`, then `seal`): `report(snapshot={"rank0.pt": state, ...})` and
+`enable_jit_checkpoint(files=...)`. torch.save and a zip around it would cost the rank CPU at
+every snapshot round, on its own cores, beside its training. Here the rank copies the state's
+tensors into one buffer it keeps, behind a header (the state's structure, pickled with each
+tensor as a reference), and a background pass writes the CRC-32 of the rest into the prefix. No
+file is written until a restore: then the state is rebuilt from the buffer and saved with
+torch.save, as the rank would have saved it (storage shared between two different tensors comes
+back as two copies of the same values). Little-endian throughout:
 
-The other kind of piece is a zip (`pack`: what a `save(directory)` wrote; `pack_state`: a
-state with a tensor this format does not take, torch.saved). `whole` takes either.
+    [0:8)       MAGIC, b"FTSTATE1"
+    [8:12)      CRC-32 (zlib's) of every byte from 12 to the end: header length, tensors, header
+    [12:16)     the header's length H
+    [16:64)     unused
+    [64:-H)     the tensors' bytes, each contiguous, each at an offset that is a multiple of 64
+    [-H:]       the header: a pickle of (the state's pickle, where each tensor is the persistent
+                id ("tensor", i); the layout, for each tensor i: (offset, byte count, dtype,
+                shape, whether a Parameter, requires_grad))
+
+Only plain tensors go flat: strided, of torch.Tensor or nn.Parameter, not quantized, nested or
+meta. A state with another (sparse, quantized, a subclass) raises `NotPlain` and is saved as a
+zip instead, at once, on the rank's thread (`pack_state`).
+
+**Zip** (`pack`, `pack_state`): `report(snapshot=save)` and `enable_jit_checkpoint(save=...)`
+(what `save(directory)` wrote, by path relative to the directory), and a state that is not
+plain (a `torch.save` of each file's state, one entry per file name). Entries are stored, not
+compressed; the zip format keeps a CRC-32 of each entry, which zipfile writes as it packs.
+
+**The check** (`whole`): a restoring rank checks every piece before it uses it, a pass over its
+bytes: a flat piece's CRC-32 against its prefix, a zip's entries against theirs (`testzip`); a
+piece that fails (or is no piece at all any more) raises ValueError, and the rank takes the
+piece's next copy, or fails the round (`rank`). CRC-32, not a cryptographic hash: it is there to
+find memory or bytes damaged by accident (a bit flip, a torn file), zlib computes it without the
+GIL, and a zip has it already. A holder never checks (`store` says why).
 """
 
 from __future__ import annotations
@@ -30,8 +55,7 @@ from typing import Any
 
 import torch
 
-from .journal import shared_memory
-from .uploads import process_dir
+from ..worker import scratch
 
 MAGIC = b"FTSTATE1"
 _PREFIX = struct.Struct("<II")  # CRC-32, header length (after MAGIC)
@@ -108,8 +132,8 @@ class FlatStager:
 
 def _scratch() -> str:
     """Where a snapshot is written before it is packed: memory where the node has it, in a
-    directory of this process's own (a killed rank's is swept)."""
-    return process_dir(os.path.join(shared_memory() or tempfile.gettempdir(), "ft-train-packing"))
+    directory of this process's own (a killed rank's is swept: `scratch.process_dir`)."""
+    return scratch.process_dir(scratch.folder("ft-train-packing", memory=True))
 
 
 def pack(save: Callable[[str], Any]) -> memoryview:
@@ -139,8 +163,8 @@ def pack_state(files: Mapping[str, Any]) -> memoryview:
 
 
 def seal(piece: memoryview) -> memoryview:
-    """Write a flat piece's CRC-32 (a zip has its own): a pass over it, off the training thread
-    (zlib lets go of the GIL)."""
+    """Write a flat piece's CRC-32 into its prefix (a zip has its own): a pass over it, off the
+    training thread (zlib lets go of the GIL)."""
     if is_flat(piece):
         at = len(MAGIC)
         struct.pack_into("<I", piece, at, zlib.crc32(piece[at + 4 :]))

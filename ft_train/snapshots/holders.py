@@ -1,5 +1,5 @@
 """The driver's side of the in-memory snapshot tier: who holds each rank's snapshots, and what
-the holders hold (`ft_train.worker.snapshot_store`).
+the holders hold (`store`).
 
 Each rank's piece has two holders where the cluster has them: the rank's own nanny, which
 outlives the rank's process, and a peer worker's nanny (the worker itself where it has none),
@@ -23,6 +23,8 @@ from typing import Any
 from distributed import Client
 
 from .. import knobs
+from .piece import SnapshotPiece
+from .store import handler
 
 logger = logging.getLogger("ft_train")
 
@@ -61,7 +63,7 @@ def _ask(client: Client, op: str, also: Collection[str], dead: set[str], **kwarg
     the answers of those that gave one. One that is gone or silent is added to `dead`."""
 
     async def one(addr: str) -> Any:
-        call = getattr(client.rpc(addr), f"ft_train_snapshot_{op}")(**kwargs)
+        call = getattr(client.rpc(addr), handler(op))(**kwargs)
         try:
             return await asyncio.wait_for(call, knobs.ANSWER_TIMEOUT_S)
         except (TimeoutError, OSError) as e:  # gone or frozen: it holds nothing usable
@@ -82,10 +84,16 @@ def _ask(client: Client, op: str, also: Collection[str], dead: set[str], **kwarg
 
 def held(
     client: Client, run: str, also: Collection[str] = (), dead: set[str] | None = None
-) -> list[dict[str, Any]]:
-    """Every piece held for `run`, a copy each."""
+) -> list[SnapshotPiece]:
+    """Every piece held for `run`, a copy each (as the holders describe them, unchecked: the
+    restoring rank checks the bytes)."""
     answers = _ask(client, "describe", also, set() if dead is None else dead, run=run)
-    return [p for answer in answers if isinstance(answer, (list, tuple)) for p in answer]
+    return [
+        SnapshotPiece.from_dict(p)
+        for answer in answers
+        if isinstance(answer, (list, tuple))
+        for p in answer
+    ]
 
 
 def drop(
