@@ -1,31 +1,45 @@
-"""Goodput under failures: ft-train and Ray Train V2 on the bench workload, faults on a timer.
+"""Goodput under failures: ft-train, Ray Train V2 and torchft on the bench workload, faults on a
+timer, each judged against bare DDP measured in the same invocation.
 
-    .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30]
-        [--checkpoint-every 60] [--snapshot-every-s 5] [--off-minutes 5]
-        [--fault-free-minutes 2] [--systems ft-train,ray]
+    .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30 | 120]
+        [--workload mlp | transformer] [--storage local | s3] [--systems ft-train,ray,torchft]
+        [--ray-sweep 5,15,60] [--sweep-minutes 2] [--checkpoint-every 60]
+        [--snapshot-every-s 5] [--off-minutes 5] [--fault-free-minutes 2]
+    .venv-bench/bin/python -m bench.goodput --state-check     (the transformer's state, once)
 
-One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`),
-for each system: a run without faults, checkpoints or snapshots; the run with faults (ft-train's
-with in-memory snapshots); a second run without faults (its fault-free steps/s: the mean of the
-two); and for ft-train, a run with faults and no snapshots (no just-in-time save either: storage
-only). Both train `bench.workload.run_loop` with 2 ranks, on a cluster with one spare node, with
-`max_failures=-1`, and checkpoint to local storage every `--checkpoint-every` seconds' worth of
-their own fault-free steps (asynchronous upload).
+One after the other, each in a fresh process (`bench.ddp_bare`, `bench.ft_side`,
+`bench.ray_side`, `bench.torchft_side` goodput): bare DDP without faults, first and last; then
+for each system a run without faults, checkpoints or snapshots; for Ray, its checkpoint interval
+swept (`--ray-sweep`, seconds' worth of its fault-free steps, each run `--sweep-minutes` with the
+faults; the best goodput's interval is used, and the sweep printed); the run with faults
+(ft-train's with in-memory snapshots); a second run without faults; and for ft-train, a run with
+faults and no snapshots (no just-in-time save either: storage only). All train
+`bench.workload.run_loop` with 2 ranks (torchft: two replica groups of one rank) and checkpoint
+to `--storage` every `--checkpoint-every` seconds' worth of their own fault-free steps
+(asynchronous upload; torchft's rank saves synchronously, to local storage only). ft-train and
+Ray run on a cluster with one spare node and `max_failures=-1`; torchft's groups each run under
+torchrun, which restarts its rank (`bench/torchft_side.py` says how it is laid out).
 
 Faults come from outside the ranks (`Injector`, a thread in the measuring process), one every
 `--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
 in a rank (a file the loop looks for before every step), and the loss of a rank's node (its
-parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, with the
-nanny's fork server where the rank was forked from one; and a new node started at once, at the
-least CPU weight while it starts: `start_node`). A fault that falls due while the group is
-restarting waits for the group's first step. At the end the injector writes the last step to
-train, a little past the step reached, and the run ends there.
+parent, the Dask nanny / the Ray raylet / torchft's torchrun, and the rank's process SIGKILLed
+together, with the nanny's fork server where the rank was forked from one; and a new node
+started at once, at the least CPU weight while it starts: `start_node`). A fault that falls due
+while the group (torchft: the failed replica) is restarting waits for its first step. At the
+end the injector writes the last step to train, a little past the step reached, and the run
+ends there.
 
-Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
-the same system's fault-free steps/s (the mean of the runs before and after it); per fault,
-steps lost = the step reached before the restart - the step the restart resumed from, and
-recovery = the fault -> the first step every rank completed after the restart. Results merge
-into bench/results.json under figures["goodput"]; the steps over time go to bench/goodput.png.
+Per run: useful samples/s = the samples of every step from step 2 to the final step, each step
+counted once with the ranks that took part in it (torchft goes on with fewer), / the time from
+step 1 to the final step. Goodput = that / bare DDP's fault-free samples/s (the mean of its two
+runs), and beside it / the same system's own fault-free samples/s (the mean of the runs before
+and after it). Per fault, steps lost = the step reached before the restart - the step the
+restart resumed from (torchft: the steps thrown away because a peer failed during them);
+recovery = the fault -> the first step every rank completed after the restart (torchft: the
+failed replica's first step after it came back); torchft also: the steps trained meanwhile by
+fewer replicas. Results go into results.json under `figure_name` (the MLP at a fault every 30 s:
+figures["goodput"]); the steps over time go to bench/goodput.png.
 """
 
 from __future__ import annotations
