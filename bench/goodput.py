@@ -738,6 +738,11 @@ def table(fig: dict) -> str:
     return out + "\n"
 
 
+def _step_at(series: list[list[float]], t: float) -> float:
+    """The step of a thinned series at `t` seconds (the last point at or before it)."""
+    return max((p for p in series if p[0] <= t), key=lambda p: p[0], default=[0, 0])[1]
+
+
 def draw(fig: dict, path: str) -> None:
     import matplotlib
 
@@ -764,7 +769,9 @@ def draw(fig: dict, path: str) -> None:
                 ys.append(float("nan"))
             xs.append(t / 60)
             ys.append(step)
-        for fl in faults:  # at the fault, back to the step resumed from, until the first step
+        partial = r.get("system") == "torchft"  # the group trains on: no line drops back
+        for fl in [] if partial else faults:
+            # at the fault, back to the step resumed from, until the first step
             t0, t1 = fl["t_s"] / 60, (fl["t_s"] + fl["recovery_s"]) / 60
             xs += [float("nan"), t0, t0, t1]
             ys += [float("nan"), fl["reached"], fl["resumed_from"], fl["resumed_from"]]
@@ -773,6 +780,9 @@ def draw(fig: dict, path: str) -> None:
         ax.plot(xs, ys, color=color, lw=1.2, label=HEAD.get(name, name) + good)
         for fl in faults:
             ax.plot(fl["t_s"] / 60, fl["reached"], "x", color=color, ms=5)
+            if partial:  # the failed replica back: a circle on the group's line
+                back = (fl["t_s"] + fl["recovery_s"]) / 60
+                ax.plot(back, _step_at(r["series"], back * 60), "o", mfc="none", color=color)
         if r.get("fault_free_steps_per_s") and r.get("wall_s"):
             end = r["wall_s"]
             ax.plot([0, end / 60], [1, 1 + end * r["fault_free_steps_per_s"]], ":", color=color)
@@ -781,7 +791,8 @@ def draw(fig: dict, path: str) -> None:
     every = fig.get("params", {}).get("fault_every_s", "?")
     workload = fig.get("params", {}).get("workload", "mlp")
     ax.set_title(
-        f"Steps over time, {workload}, a fault every {every} s (x: a fault; dotted: fault-free)"
+        f"Steps over time, {workload}, a fault every {every} s (x: a fault; o: a torchft"
+        " replica back; dotted: fault-free)"
     )
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
