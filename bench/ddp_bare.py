@@ -1,6 +1,6 @@
 """The baseline: the same loop on torch.distributed directly, two processes, gloo, no framework.
 
-python -m bench.ddp_bare FIGURE PARAMS_JSON OUT_JSON      (FIGURE: steady)
+python -m bench.ddp_bare FIGURE PARAMS_JSON OUT_JSON      (FIGURE: steady, goodput)
 """
 
 from __future__ import annotations
@@ -59,9 +59,30 @@ def steady(p: dict) -> dict:
     }
 
 
+def goodput(p: dict) -> dict:
+    """`bench.goodput`'s baseline: the same loop and workload without faults, for
+    `p["duration_s"]` from the first step (the injector's stop), its samples/s the measure
+    of every system's goodput."""
+    from bench.goodput import Injector, loop_config
+
+    cfg = loop_config({**p, "checkpoint_every": 0}, report_every=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t_call = time.time()
+    with Injector(cfg, {**p, "fault_every_s": 0}, replace_node=lambda: None) as injector:
+        mp.spawn(_rank, args=(port, cfg), nprocs=2, join=True)
+    return {
+        "run": {"t_call": t_call, "t_return": time.time(), "status": "finished"},
+        "events": read_events(cfg["events"]),
+        "faults": [],
+        "injector_error": injector.error,
+    }
+
+
 def main() -> None:
     figure, params, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    result = {"steady": steady}[figure](params)
+    result = {"steady": steady, "goodput": goodput}[figure](params)
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -155,7 +155,8 @@ def fault(p: dict, kind: str, rank: int = 1, step: int = 7) -> dict:
 
 
 def recovery(p: dict) -> dict:
-    """A rank SIGKILLs its own process at step 7 (checkpoint at step 5)."""
+    """A rank SIGKILLs its own process at step 7 (checkpoint at step 5); `p["workload"]`:
+    the MLP, or the transformer (`bench.goodput --state-check`)."""
     events = os.path.join(p["workdir"], "events.jsonl")
     cfg = {
         "steps": 10,
@@ -163,6 +164,7 @@ def recovery(p: dict) -> dict:
         "checkpoint_every": 5,
         "report_every": 0,
         "faults": [fault(p, "kill")],
+        "workload": p.get("workload", "mlp"),
     }
     run = call_flow("recovery", cfg, p)
     return {"run": run, "events": read_events(events)}

@@ -1,31 +1,45 @@
-"""Goodput under failures: ft-train and Ray Train V2 on the bench workload, faults on a timer.
+"""Goodput under failures: ft-train, Ray Train V2 and torchft on the bench workload, faults on a
+timer, each judged against bare DDP measured in the same invocation.
 
-    .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30]
-        [--checkpoint-every 60] [--snapshot-every-s 5] [--off-minutes 5]
-        [--fault-free-minutes 2] [--systems ft-train,ray]
+    .venv-bench/bin/python -m bench.goodput [--minutes 10] [--fault-every 30 | 120]
+        [--workload mlp | transformer] [--storage local | s3] [--systems ft-train,ray,torchft]
+        [--ray-sweep 5,15,60] [--sweep-minutes 2] [--checkpoint-every 60]
+        [--snapshot-every-s 5] [--off-minutes 5] [--fault-free-minutes 2]
+    .venv-bench/bin/python -m bench.goodput --state-check     (the transformer's state, once)
 
-One after the other, each in a fresh process (`bench.ft_side goodput`, `bench.ray_side goodput`),
-for each system: a run without faults, checkpoints or snapshots; the run with faults (ft-train's
-with in-memory snapshots); a second run without faults (its fault-free steps/s: the mean of the
-two); and for ft-train, a run with faults and no snapshots (no just-in-time save either: storage
-only). Both train `bench.workload.run_loop` with 2 ranks, on a cluster with one spare node, with
-`max_failures=-1`, and checkpoint to local storage every `--checkpoint-every` seconds' worth of
-their own fault-free steps (asynchronous upload).
+One after the other, each in a fresh process (`bench.ddp_bare`, `bench.ft_side`,
+`bench.ray_side`, `bench.torchft_side` goodput): bare DDP without faults, first and last; then
+for each system a run without faults, checkpoints or snapshots; for Ray, its checkpoint interval
+swept (`--ray-sweep`, seconds' worth of its fault-free steps, each run `--sweep-minutes` with the
+faults; the best goodput's interval is used, and the sweep printed); the run with faults
+(ft-train's with in-memory snapshots); a second run without faults; and for ft-train, a run with
+faults and no snapshots (no just-in-time save either: storage only). All train
+`bench.workload.run_loop` with 2 ranks (torchft: two replica groups of one rank) and checkpoint
+to `--storage` every `--checkpoint-every` seconds' worth of their own fault-free steps
+(asynchronous upload; torchft's rank saves synchronously, to local storage only). ft-train and
+Ray run on a cluster with one spare node and `max_failures=-1`; torchft's groups each run under
+torchrun, which restarts its rank (`bench/torchft_side.py` says how it is laid out).
 
 Faults come from outside the ranks (`Injector`, a thread in the measuring process), one every
 `--fault-every` seconds from the first step, in turn: SIGKILL of a rank's process, an exception
 in a rank (a file the loop looks for before every step), and the loss of a rank's node (its
-parent, the Dask nanny / the Ray raylet, and the rank's process SIGKILLed together, with the
-nanny's fork server where the rank was forked from one; and a new node started at once, at the
-least CPU weight while it starts: `start_node`). A fault that falls due while the group is
-restarting waits for the group's first step. At the end the injector writes the last step to
-train, a little past the step reached, and the run ends there.
+parent, the Dask nanny / the Ray raylet / torchft's torchrun, and the rank's process SIGKILLed
+together, with the nanny's fork server where the rank was forked from one; and a new node
+started at once, at the least CPU weight while it starts: `start_node`). A fault that falls due
+while the group (torchft: the failed replica) is restarting waits for its first step. At the
+end the injector writes the last step to train, a little past the step reached, and the run
+ends there.
 
-Per run: goodput = (final step - 1) / (time of the final step - time of step 1), divided by
-the same system's fault-free steps/s (the mean of the runs before and after it); per fault,
-steps lost = the step reached before the restart - the step the restart resumed from, and
-recovery = the fault -> the first step every rank completed after the restart. Results merge
-into bench/results.json under figures["goodput"]; the steps over time go to bench/goodput.png.
+Per run: useful samples/s = the samples of every step from step 2 to the final step, each step
+counted once with the ranks that took part in it (torchft goes on with fewer), / the time from
+step 1 to the final step. Goodput = that / bare DDP's fault-free samples/s (the mean of its two
+runs), and beside it / the same system's own fault-free samples/s (the mean of the runs before
+and after it). Per fault, steps lost = the step reached before the restart - the step the
+restart resumed from (torchft: the steps thrown away because a peer failed during them);
+recovery = the fault -> the first step every rank completed after the restart (torchft: the
+failed replica's first step after it came back); torchft also: the steps trained meanwhile by
+fewer replicas. Results go into results.json under `figure_name` (the MLP at a fault every 30 s:
+figures["goodput"]); the steps over time go to bench/goodput.png.
 """
 
 from __future__ import annotations
@@ -51,7 +65,9 @@ KINDS = ("kill", "raise", "node")  # in turn, unless --kinds says otherwise
 KIND_NAMES = {"kill": "rank SIGKILL", "raise": "rank exception", "node": "worker/node kill"}
 WORLD = 2
 POLL_S = 0.1
-FT, RAY = "bench.ft_side", "bench.ray_side"
+FT, RAY, TF, DDP = "bench.ft_side", "bench.ray_side", "bench.torchft_side", "bench.ddp_bare"
+MODULES = {"ft-train": FT, "ray": RAY, "torchft": TF, "ddp": DDP}
+SYSTEMS = ("ft-train", "ray", "torchft")
 
 
 def loop_config(p: dict, report_every: int) -> dict:
@@ -66,6 +82,7 @@ def loop_config(p: dict, report_every: int) -> dict:
         "checkpoint_every": p.get("checkpoint_every", 0),
         "upload": "async",
         "snapshot": bool(p.get("snapshot_every")),
+        "workload": p.get("workload", "mlp"),
     }
 
 
@@ -114,22 +131,31 @@ class _Log:
         now = time.time()
         return self.max_step + 3 + sum(1 for t in self.recent if t > now - 1)
 
-    def training(self, since: float) -> bool:
-        """Every rank started after `since` and has completed a step since it started."""
-        return all(
-            self.start_t.get(r, 0) > since and self.step_t.get(r, 0) > self.start_t[r]
-            for r in range(WORLD)
+    def training(self, since: float, restarted: int | None = None) -> bool:
+        """Every rank started after `since` (only rank `restarted`, where the system restarts
+        only the failed one: torchft) and has completed a step since it started and since
+        `since`."""
+        must = range(WORLD) if restarted is None else [restarted]
+        return all(self.start_t.get(r, 0) > since for r in must) and all(
+            self.step_t.get(r, 0) > max(self.start_t.get(r, 0), since) for r in range(WORLD)
         )
 
 
 class Injector:
     """A thread that injects a fault every `p["fault_every_s"]` (0: none) from the first step,
     then, `p["duration_s"]` after the first step, tells the ranks where to stop. `replace_node`
-    starts a new node after a node is lost (and says how: `start_node`). `faults`: what it did,
-    each with its time."""
+    starts a new node after a node is lost (and says how: `start_node`). `partial_restart`:
+    the system restarts only the failed rank, the others go on (torchft). `faults`: what it
+    did, each with its time."""
 
-    def __init__(self, cfg: dict, p: dict, replace_node: Callable[[], dict | None]):
-        self.cfg, self.replace_node = cfg, replace_node
+    def __init__(
+        self,
+        cfg: dict,
+        p: dict,
+        replace_node: Callable[[], dict | None],
+        partial_restart: bool = False,
+    ):
+        self.cfg, self.replace_node, self.partial = cfg, replace_node, partial_restart
         self.every_s, self.duration_s = p.get("fault_every_s", 0), p["duration_s"]
         self.kinds = p.get("kinds", KINDS)
         self.faults: list[dict[str, Any]] = []
@@ -160,12 +186,13 @@ class Injector:
             if self._done.wait(POLL_S):
                 return
             log.poll()
-        last_fault, k = 0.0, 0
+        last_fault, k, restarted = 0.0, 0, None
         while not self._done.wait(POLL_S) and time.time() < t1 + self.duration_s:
             log.poll()
             due = t1 + (k + 1) * self.every_s
-            if self.every_s and time.time() >= due and log.training(since=last_fault):
+            if self.every_s and time.time() >= due and log.training(last_fault, restarted):
                 last_fault = self._inject(k, log)
+                restarted = self.faults[-1]["rank"] if self.partial else None
                 k += 1
 
     def _inject(self, k: int, log: _Log) -> float:
@@ -279,8 +306,13 @@ def _by_rank(events: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def progress(events: list[dict]) -> dict | None:
-    """Step 1 (the first time, every rank) to the final step (every rank): steps per second."""
+def progress(events: list[dict], batch: int = 1, partial: bool = False) -> dict | None:
+    """Step 1 (the first time, every rank) to the final step: steps per second, and useful
+    samples per second (`batch`: samples a rank trains a step). Each step counts once, with
+    the ranks that took part in it: all of them (WORLD), unless its events say fewer (`n`:
+    torchft goes on with the replicas it has). `partial` (torchft): the steps are the group's,
+    not a rank's, so the final step is the highest any rank reached, at the time it first did;
+    otherwise every rank ends at the stop step, and the final step is the lowest rank's last."""
     ranks = _by_rank(events)
     firsts, lasts = [], []
     for evs in ranks.values():
@@ -292,9 +324,25 @@ def progress(events: list[dict]) -> dict | None:
         lasts.append(steps[-1])
     if len(ranks) < WORLD:
         return None
-    t1, final = max(firsts), min(e["step"] for e in lasts)
-    wall = max(e["t"] for e in lasts) - t1
-    return {"t1": t1, "final_step": final, "wall_s": wall, "steps_per_s": (final - 1) / wall}
+    t1 = max(firsts)
+    if partial:
+        top = max(e["step"] for e in events if e["event"] == "step")
+        final = top
+        end = min(e["t"] for e in events if e["event"] == "step" and e["step"] == top)
+    else:
+        final, end = min(e["step"] for e in lasts), max(e["t"] for e in lasts)
+    wall = end - t1
+    took_part: dict[int, int] = {}
+    for e in events:
+        if e["event"] == "step" and 1 < e["step"] <= final:
+            took_part[e["step"]] = max(took_part.get(e["step"], 0), e.get("n", WORLD))
+    return {
+        "t1": t1,
+        "final_step": final,
+        "wall_s": wall,
+        "steps_per_s": (final - 1) / wall,
+        "samples_per_s": sum(took_part.values()) * batch / wall,
+    }
 
 
 def fault_figures(events: list[dict], t_fault: float) -> dict:
@@ -321,16 +369,53 @@ def fault_figures(events: list[dict], t_fault: float) -> dict:
     }
 
 
+def partial_fault_figures(events: list[dict], t_fault: float, rank: int) -> dict:
+    """The figures of a fault at `t_fault` in rank `rank`, where only that rank restarts and
+    the others train on (torchft): recovery is the fault to the restarted rank's first step
+    (it then trains with the others again); steps lost are the steps trained and thrown away
+    meanwhile (a step during which a peer failed is discarded) plus any step the group went
+    back by; degraded steps are those committed by fewer than every rank meanwhile."""
+    evs = _by_rank(events).get(rank, [])
+    i = next((i for i, e in enumerate(evs) if e["event"] == "start" and e["t"] > t_fault), None)
+    back = next((e for e in evs[i:] if e["event"] == "step"), None) if i is not None else None
+    if back is None:
+        return {"recovered": False}
+    t_back = back["t"]
+    steps = [e for e in events if e["event"] == "step"]
+    before = [e["step"] for e in steps if e["t"] <= t_fault]
+    after = [e["step"] for e in steps if t_fault < e["t"] <= t_back]
+    reached = max(before) if before else 0
+    resumed = min(after) - 1 if after else reached
+    thrown = sum(1 for e in events if e["event"] == "discard" and t_fault < e["t"] <= t_back)
+    degraded = {e["step"] for e in steps if t_fault < e["t"] < t_back and e.get("n", WORLD) < WORLD}
+    return {
+        "recovered": True,
+        "reached": reached,
+        "resumed_from": resumed,
+        "lost_steps": thrown + max(0, reached - resumed),
+        "degraded_steps": len(degraded),
+        "recovery_s": t_back - t_fault,
+    }
+
+
 def _stats(xs: list[float]) -> dict | None:
     if not xs:
         return None
     return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "max": max(xs)}
 
 
-def _series(events: list[dict], t1: float) -> list[list[float]]:
-    """Rank 0's steps over time, thinned: a point a second, and both sides of every restart
-    and of every pause over half a second."""
-    steps = [e for e in _by_rank(events).get(0, []) if e["event"] == "step"]
+def _series(events: list[dict], t1: float, partial: bool = False) -> list[list[float]]:
+    """Rank 0's steps over time (`partial`, torchft: the group's, whichever rank completed
+    each), thinned: a point a second, and both sides of every restart and of every pause over
+    half a second."""
+    if partial:
+        steps, top = [], 0
+        for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["t"]):
+            if e["step"] > top:
+                steps.append(e)
+                top = e["step"]
+    else:
+        steps = [e for e in _by_rank(events).get(0, []) if e["event"] == "step"]
     out: list[list[float]] = []
     for i, e in enumerate(steps):
         nxt, prev = steps[i + 1] if i + 1 < len(steps) else None, steps[i - 1] if i else None
@@ -342,8 +427,11 @@ def _series(events: list[dict], t1: float) -> list[list[float]]:
     return out
 
 
-def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
-    """One run's figures from its child's result (`fault_free`: the system's steps/s)."""
+def summarise(
+    result: dict, fault_free: float | None, p: dict, batch: int = 1, partial: bool = False
+) -> dict:
+    """One run's figures from its child's result (`fault_free`: the system's steps/s; `batch`
+    and `partial`: as `progress` takes them)."""
     events, faults = result.get("events", []), result.get("faults", [])
     out: dict[str, Any] = {
         "params": {k: v for k, v in p.items() if k not in ("workdir", "s3_endpoint")},
@@ -351,7 +439,7 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
         "error": result.get("error"),
         "injector_error": result.get("injector_error"),
     }
-    prog = progress(events)
+    prog = progress(events, batch, partial)
     if prog is None:
         return out
     t1 = prog.pop("t1")
@@ -360,7 +448,11 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
             **{k: f[k] for k in ("kind", "rank") if k in f},
             "t_s": round(f["t"] - t1, 2),
             **{k: f[k] for k in ("error", "new_node") if k in f},
-            **fault_figures(events, f["t"]),
+            **(
+                partial_fault_figures(events, f["t"], f["rank"])
+                if partial
+                else fault_figures(events, f["t"])
+            ),
         }
         for f in faults
     ]
@@ -383,7 +475,8 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
                 for kind in KINDS
                 if (fs := [f for f in done if f["kind"] == kind])
             },
-            "series": _series(events, t1),
+            "degraded_steps": _stats([f["degraded_steps"] for f in done if "degraded_steps" in f]),
+            "series": _series(events, t1, partial),
         }
     )
     return out
@@ -392,66 +485,169 @@ def summarise(result: dict, fault_free: float | None, p: dict) -> dict:
 # -- the runs --------------------------------------------------------------------------------
 
 
+def samples_per_step(workload: str) -> int:
+    """Samples (sequences, for the transformer) a rank trains a step in `workload`."""
+    from bench.transformer import CONFIG
+    from bench.workload import BATCH
+
+    return {"mlp": BATCH, "transformer": CONFIG.batch}[workload]
+
+
+def choose_interval(sweep: list[dict]) -> dict | None:
+    """The row of the sweep with the highest goodput (of those that have one); of equal ones,
+    the longest interval (fewer checkpoints to store). None where no row has a goodput."""
+    rows = [r for r in sweep if r.get("goodput") is not None]
+    return max(rows, key=lambda r: (r["goodput"], r["interval_s"])) if rows else None
+
+
+def sweep_table(sweep: list[dict], best: dict | None) -> str:
+    out = "Ray's checkpoint interval, swept (goodput: useful samples/s / its fault-free rate)\n"
+    for r in sweep:
+        g = _f(r.get("goodput"), ".3f")
+        mark = "  <- used" if best is not None and r is best else ""
+        out += f"  every {r['interval_s']:g} s ({r['checkpoint_every']} steps): {g}{mark}\n"
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """Every run, one after the other; {name: figures}."""
-    from bench.run import Suite
+    """Every run, one after the other; {name: figures}.
+
+    One piece: the runs share the harness, the fault-free rates measured first and the
+    intervals derived from them, in one order that the table and the note describe; split,
+    that order would be spread over functions that each need all of it.
+
+    Bare DDP without faults first and last (its samples/s, the mean of the two, is what every
+    goodput is judged against); then for each system its fault-free run, (Ray: the sweep of
+    its checkpoint interval, the best one kept), its run with faults, and a second fault-free
+    run (its own rate: the mean of the two)."""
+    from bench.run import Suite, moto_server
 
     s = Suite(argparse.Namespace(quick=False, keep=args.keep))
     print(f"work directory {s.dir}", flush=True)
-    modules = {"ft-train": FT, "ray": RAY}
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    batch = samples_per_step(args.workload)
+    base = {"workload": args.workload, "storage": args.storage}
     runs: dict[str, dict] = {}
 
-    def child(name: str, system: str, p: dict, fault_free: float | None) -> dict:
-        r = s.child(modules[system], "goodput", p, timeout=p["duration_s"] + 900)
-        runs[name] = summarise(r, fault_free, p)
+    def child(name: str, system: str, p: dict) -> dict:
+        r = s.child(MODULES[system], "goodput", {**base, **p}, timeout=p["duration_s"] + 900)
+        runs[name] = summarise(r, None, p, batch, partial=system == "torchft")
         runs[name]["system"] = system
-        if r.get("error"):
+        if r.get("error") or r.get("log_tail"):
             runs[name]["log_tail"] = r.get("log_tail")
         return runs[name]
 
-    kinds = [k.strip() for k in args.kinds.split(",")]
-    fault_free = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
-    for system in systems:
-        before = child(f"{system}, fault-free", system, fault_free, None).get("steps_per_s")
-        if not before:
-            continue  # its fault-free run failed: no intervals to derive, nothing to compare
-        every = round(args.checkpoint_every * before)
-        faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every, "kinds": kinds}
-        on = {**faulted, "duration_s": args.minutes * 60}
-        if system == "ft-train":
-            on["snapshot_every"] = max(1, round(args.snapshot_every_s * before))
-        child(system, system, on, None)  # its goodput: rebase(), once the pace is known
-        # the host drifts by several % over minutes: the faulted run's pace is compared with
-        # the mean of a fault-free run before it and one after it
-        after = child(f"{system}, fault-free after", system, fault_free, None).get("steps_per_s")
-        rate = statistics.fmean([before, after]) if after else before
-        rebase(runs[system], rate, [before, after])
-        if system == "ft-train" and args.off_minutes:
-            off = {**faulted, "duration_s": args.off_minutes * 60}
-            rebase(child("ft-train, snapshots off", system, off, None), rate, [before, after])
+    with moto_server() if args.storage == "s3" else contextlib.nullcontext() as endpoint:
+        s.s3_endpoint = endpoint
+        kinds = [k.strip() for k in args.kinds.split(",")]
+        fault_free = {"duration_s": args.fault_free_minutes * 60, "fault_every_s": 0}
+        ddp = [child("ddp, fault-free", "ddp", fault_free).get("samples_per_s")]
+        for system in systems:
+            ff = child(f"{system}, fault-free", system, fault_free)
+            before, before_samples = ff.get("steps_per_s"), ff.get("samples_per_s")
+            if not before:
+                continue  # its fault-free run failed: no intervals to derive, nothing to compare
+            every = round(args.checkpoint_every * before)
+            faulted = {"fault_every_s": args.fault_every, "checkpoint_every": every, "kinds": kinds}
+            if system == "ray" and args.ray_sweep:
+                sweep = []
+                for iv in [float(x) for x in args.ray_sweep.split(",")]:
+                    p = {
+                        **faulted,
+                        "checkpoint_every": max(1, round(iv * before)),
+                        "duration_s": args.sweep_minutes * 60,
+                    }
+                    r = child(f"ray, sweep {iv:g} s", system, p)
+                    g = r["samples_per_s"] / before_samples if r.get("samples_per_s") else None
+                    sweep.append({"interval_s": iv, "checkpoint_every": p["checkpoint_every"]})
+                    sweep[-1]["goodput"] = g
+                best = choose_interval(sweep)
+                print(sweep_table(sweep, best), flush=True)
+                if best is not None:
+                    faulted["checkpoint_every"] = best["checkpoint_every"]
+            on = {**faulted, "duration_s": args.minutes * 60}
+            if system == "ft-train":
+                on["snapshot_every"] = max(1, round(args.snapshot_every_s * before))
+            child(system, system, on)  # its goodput: rebase(), once the pace is known
+            if system == "ray" and args.ray_sweep:
+                runs[system]["sweep"] = sweep
+            # the host drifts by several % over minutes: the faulted run's pace is compared
+            # with the mean of a fault-free run before it and one after it
+            after = child(f"{system}, fault-free after", system, fault_free)
+            own = [before_samples, after.get("samples_per_s")]
+            rebase(runs[system], [before, after.get("steps_per_s")], own)
+            if system == "ft-train" and args.off_minutes:
+                off = {**faulted, "duration_s": args.off_minutes * 60}
+                child("ft-train, snapshots off", system, off)
+                rebase(runs["ft-train, snapshots off"], [before, after.get("steps_per_s")], own)
+        ddp.append(child("ddp, fault-free after", "ddp", fault_free).get("samples_per_s"))
+    for name, run in runs.items():
+        if "fault-free" not in name and "sweep" not in name:
+            against_ddp(run, ddp)
     return runs
 
 
-def rebase(run: dict, fault_free: float, measured: list) -> None:
-    """`run`'s goodput against `fault_free` steps/s (`measured`: the runs it comes from)."""
-    run["fault_free_steps_per_s"], run["fault_free_measured"] = fault_free, measured
-    if run.get("steps_per_s"):
-        run["goodput"] = run["steps_per_s"] / fault_free
+def state_check(args: argparse.Namespace) -> dict:
+    """The transformer workload's state, checkpointed once and restored once by ft-train, to
+    local storage and to the loopback S3: `bench.ft_side recovery` (a checkpoint at step 5, a
+    rank SIGKILLed at step 7, the restore). {storage: figures}."""
+    from bench.run import Suite, moto_server
+    from bench.workload import recovery_s
+
+    s = Suite(argparse.Namespace(quick=False, keep=args.keep))
+    out = {}
+    with moto_server() as endpoint:
+        s.s3_endpoint = endpoint
+        for storage in ("local", "s3"):
+            r = s.child(FT, "recovery", {"workload": "transformer", "storage": storage})
+            ck = [e for e in r.get("events", []) if e["event"] == "ckpt" and e["rank"] == 0]
+            out[storage] = {
+                "status": (r.get("run") or {}).get("status"),
+                "error": r.get("error"),
+                "checkpoint_bytes": ck[0]["bytes"] if ck else None,
+                "checkpoint_stall_s": ck[0]["stall_s"] if ck else None,
+                "recovery_s": recovery_s(r.get("events", [])),
+            }
+            print(f"  {storage}: {out[storage]}", flush=True)
+    return out
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x]
+    return statistics.fmean(xs) if xs else None
+
+
+def rebase(run: dict, measured: list, measured_samples: list) -> None:
+    """`run`'s goodput against its own fault-free runs (`measured`: their steps/s,
+    `measured_samples`: their samples/s): its useful samples/s / the mean of theirs."""
+    run["fault_free_steps_per_s"], run["fault_free_measured"] = _mean(measured), measured
+    run["fault_free_samples_per_s"] = rate = _mean(measured_samples)
+    if run.get("samples_per_s") and rate:
+        run["goodput"] = run["samples_per_s"] / rate
+
+
+def against_ddp(run: dict, ddp: list) -> None:
+    """`run`'s useful samples/s / bare DDP's fault-free samples/s (`ddp`: the runs in this
+    invocation; their mean): the goodput the issue judges."""
+    run["ddp_samples_per_s"], run["ddp_measured"] = _mean(ddp), ddp
+    if run.get("samples_per_s") and run["ddp_samples_per_s"]:
+        run["goodput_vs_ddp"] = run["samples_per_s"] / run["ddp_samples_per_s"]
 
 
 def targets(runs: dict) -> dict:
-    """The issue's targets, each True/False, or None where a figure is missing."""
-    ft, ray = runs.get("ft-train", {}), runs.get("ray", {})
-    g, rg = ft.get("goodput"), ray.get("goodput")
+    """The issue's targets, each True/False, or None where a figure is missing: goodput is
+    useful samples/s / bare DDP's."""
+    ft, ray, tf = runs.get("ft-train", {}), runs.get("ray", {}), runs.get("torchft", {})
+    g, rg, tg = ft.get("goodput_vs_ddp"), ray.get("goodput_vs_ddp"), tf.get("goodput_vs_ddp")
     lost, rlost = ft.get("lost_steps"), ray.get("lost_steps")
     snap = ft.get("params", {}).get("snapshot_every")
     return {
-        "goodput >= 0.95": None if g is None else g >= 0.95,
+        "goodput (/ bare DDP) >= 0.95": None if g is None else g >= 0.95,
         "steps lost per failure <= one snapshot interval": (
             None if lost is None or not snap else lost["max"] <= snap
         ),
         "goodput ahead of Ray's": None if g is None or rg is None else g > rg,
+        "goodput ahead of torchft's": None if g is None or tg is None else g > tg,
         "steps lost per failure fewer than Ray's (mean)": (
             None if lost is None or rlost is None else lost["mean"] < rlost["mean"]
         ),
@@ -460,7 +656,8 @@ def targets(runs: dict) -> dict:
 
 # -- the table and the plot ------------------------------------------------------------------
 
-ORDER = ["ft-train", "ft-train, snapshots off", "ray", "ft-train, fault-free", "ray, fault-free"]
+ORDER = ["ft-train", "ft-train, snapshots off", "ray", "torchft"]
+HEAD = {"ft-train": "ft-train, snapshots on", "ray": "Ray Train V2", "torchft": "torchft"}
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
@@ -478,11 +675,25 @@ def _fault_free(r: dict) -> str:
 
 def table(fig: dict) -> str:
     runs = fig.get("runs", {})
-    names = [n for n in ORDER if n in runs and "fault-free" not in n]
-    head = {"ft-train": "ft-train, snapshots on", "ray": "Ray Train V2"}
+    names = [n for n in ORDER if n in runs]
     rows: list[tuple[str, Callable[[dict], str]]] = [
-        ("goodput (useful steps/s / fault-free steps/s)", lambda r: _f(r.get("goodput"), ".3f")),
-        ("useful steps/s under faults", lambda r: _f(r.get("steps_per_s"))),
+        (
+            "goodput: useful samples/s / bare DDP's samples/s (same invocation)",
+            lambda r: _f(r.get("goodput_vs_ddp"), ".3f"),
+        ),
+        (
+            "useful samples/s / its own fault-free samples/s",
+            lambda r: _f(r.get("goodput"), ".3f"),
+        ),
+        ("useful samples/s under faults", lambda r: _f(r.get("samples_per_s"), ".1f")),
+        (
+            "bare DDP's samples/s: the mean (before, after)",
+            lambda r: (
+                _f(r.get("ddp_samples_per_s"), ".1f")
+                + f" ({', '.join(_f(x, '.1f') for x in r.get('ddp_measured') or [])})"
+            ),
+        ),
+        ("steps/s under faults", lambda r: _f(r.get("steps_per_s"))),
         ("fault-free steps/s: the mean (before, after)", _fault_free),
         (
             "run from step 1: seconds, final step, faults (not recovered)",
@@ -500,6 +711,10 @@ def table(fig: dict) -> str:
         ),
         ("steps lost per failure, median / max", lambda r: _med_max(r.get("lost_steps"), ".0f")),
         ("recovery s, median / max", lambda r: _med_max(r.get("recovery_s"), ".2f")),
+        (
+            "steps with fewer replicas per failure, median / max",
+            lambda r: _med_max(r.get("degraded_steps"), ".0f"),
+        ),
     ]
     for kind in KINDS:
         rows.append(
@@ -514,7 +729,7 @@ def table(fig: dict) -> str:
                 ),
             )
         )
-    out = "| | " + " | ".join(head.get(n, n) for n in names) + " |\n"
+    out = "| | " + " | ".join(HEAD.get(n, n) for n in names) + " |\n"
     out += "|---" * (len(names) + 1) + "|\n"
     for label, cell in rows:
         out += f"| {label} | " + " | ".join(cell(runs[n]) for n in names) + " |\n"
@@ -523,14 +738,23 @@ def table(fig: dict) -> str:
     return out + "\n"
 
 
+def _step_at(series: list[list[float]], t: float) -> float:
+    """The step of a thinned series at `t` seconds (the last point at or before it)."""
+    return max((p for p in series if p[0] <= t), key=lambda p: p[0], default=[0, 0])[1]
+
+
 def draw(fig: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"ft-train": "tab:blue", "ft-train, snapshots off": "tab:green", "ray": "tab:orange"}
-    label = {"ft-train": "ft-train, snapshots on", "ray": "Ray Train V2"}
+    colors = {
+        "ft-train": "tab:blue",
+        "ft-train, snapshots off": "tab:green",
+        "ray": "tab:orange",
+        "torchft": "tab:red",
+    }
     f, ax = plt.subplots(figsize=(11, 5.5))
     for name, color in colors.items():
         r = fig.get("runs", {}).get(name)
@@ -545,21 +769,31 @@ def draw(fig: dict, path: str) -> None:
                 ys.append(float("nan"))
             xs.append(t / 60)
             ys.append(step)
-        for fl in faults:  # at the fault, back to the step resumed from, until the first step
+        partial = r.get("system") == "torchft"  # the group trains on: no line drops back
+        for fl in [] if partial else faults:
+            # at the fault, back to the step resumed from, until the first step
             t0, t1 = fl["t_s"] / 60, (fl["t_s"] + fl["recovery_s"]) / 60
             xs += [float("nan"), t0, t0, t1]
             ys += [float("nan"), fl["reached"], fl["resumed_from"], fl["resumed_from"]]
-        good = f" (goodput {r['goodput']:.2f})" if r.get("goodput") is not None else ""
-        ax.plot(xs, ys, color=color, lw=1.2, label=label.get(name, name) + good)
+        g = r.get("goodput_vs_ddp", r.get("goodput"))
+        good = f" (goodput {g:.2f})" if g is not None else ""
+        ax.plot(xs, ys, color=color, lw=1.2, label=HEAD.get(name, name) + good)
         for fl in faults:
             ax.plot(fl["t_s"] / 60, fl["reached"], "x", color=color, ms=5)
+            if partial:  # the failed replica back: a circle on the group's line
+                back = (fl["t_s"] + fl["recovery_s"]) / 60
+                ax.plot(back, _step_at(r["series"], back * 60), "o", mfc="none", color=color)
         if r.get("fault_free_steps_per_s") and r.get("wall_s"):
             end = r["wall_s"]
             ax.plot([0, end / 60], [1, 1 + end * r["fault_free_steps_per_s"]], ":", color=color)
     ax.set_xlabel("minutes from step 1")
     ax.set_ylabel("step (rank 0)")
     every = fig.get("params", {}).get("fault_every_s", "?")
-    ax.set_title(f"Steps over time, a fault every {every} s (x: a fault; dotted: fault-free pace)")
+    workload = fig.get("params", {}).get("workload", "mlp")
+    ax.set_title(
+        f"Steps over time, {workload}, a fault every {every} s (x: a fault; o: a torchft"
+        " replica back; dotted: fault-free)"
+    )
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     f.tight_layout()
@@ -570,8 +804,17 @@ def draw(fig: dict, path: str) -> None:
 # -- main ------------------------------------------------------------------------------------
 
 
+def figure_name(args: argparse.Namespace) -> str:
+    """Where a run's figures go in results.json: "goodput" for the MLP at a fault every 30 s
+    (the figure of record since the first series), else named by workload and fault interval."""
+    if args.workload == "mlp" and args.fault_every == 30:
+        return "goodput"
+    return f"goodput, {args.workload}, a fault every {args.fault_every:g} s"
+
+
 def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
-    """Merge into results.json under figures["goodput"], keeping every other figure."""
+    """Into results.json under `figure_name`, in place of that figure's earlier runs, keeping
+    every other figure."""
     from bench.run import commit, load, machine
 
     stored: dict[str, Any] = {}
@@ -579,7 +822,6 @@ def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
         with open(args.results) as f:
             stored = json.load(f)
     figures = stored.setdefault("figures", {})
-    old = figures.get("goodput", {})
     fig = {
         "params": {
             "minutes": args.minutes,
@@ -589,12 +831,16 @@ def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
             "off_minutes": args.off_minutes,
             "fault_free_minutes": args.fault_free_minutes,
             "kinds": args.kinds.split(","),
+            "workload": args.workload,
+            "storage": args.storage,
+            "ray_sweep": args.ray_sweep,
+            "sweep_minutes": args.sweep_minutes,
         },
-        "runs": {**old.get("runs", {}), **fig_runs},
+        "runs": fig_runs,
     }
     fig["targets"] = targets(fig["runs"])
-    figures["goodput"] = fig
-    stored.setdefault("runs", {})["goodput"] = {
+    figures[figure_name(args)] = fig
+    stored.setdefault("runs", {})[figure_name(args)] = {
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench.goodput", *sys.argv[1:]]),
         "load": before,
@@ -610,23 +856,50 @@ def save(fig_runs: dict, args: argparse.Namespace, before: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.goodput", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10, help="each run with faults (snapshots on)")
-    p.add_argument("--fault-every", type=float, default=30, help="seconds between faults")
+    p.add_argument(
+        "--fault-every", type=float, default=30, help="seconds between faults: 30, or 120"
+    )
     p.add_argument("--checkpoint-every", type=float, default=60, help="seconds' worth of steps")
     p.add_argument("--snapshot-every-s", type=float, default=5, help="seconds' worth of steps")
     p.add_argument("--off-minutes", type=float, default=5, help="ft-train, snapshots off; 0: none")
     p.add_argument("--fault-free-minutes", type=float, default=2)
     p.add_argument("--kinds", default=",".join(KINDS), help="the faults' order, from " + str(KINDS))
-    p.add_argument("--systems", default="ft-train,ray", help="ft-train, ray, or both")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"some of {', '.join(SYSTEMS)}, in order"
+    )
+    p.add_argument("--workload", default="mlp", choices=("mlp", "transformer"))
+    p.add_argument("--storage", default="local", choices=("local", "s3"), help="s3: loopback")
+    p.add_argument(
+        "--ray-sweep",
+        default="5,15,60",
+        help="Ray's checkpoint intervals to try first, in seconds' worth of steps; the best is "
+        "used in its run ('': no sweep, --checkpoint-every)",
+    )
+    p.add_argument("--sweep-minutes", type=float, default=2, help="each run of Ray's sweep")
     p.add_argument("--keep", action="store_true", help="keep each run's work directory")
     p.add_argument("--results", default=os.path.join(HERE, "results.json"))
     p.add_argument("--plot", default=os.path.join(HERE, "goodput.png"))
     p.add_argument("--table", action="store_true", help="print the stored figures and exit")
+    p.add_argument(
+        "--state-check",
+        action="store_true",
+        help="only: the transformer's state checkpointed and restored once, local and S3",
+    )
     args = p.parse_args(argv)
     if set(args.kinds.split(",")) - set(KINDS):
         p.error(f"--kinds: choose from {KINDS}")
+    if unknown := {x.strip() for x in args.systems.split(",")} - set(SYSTEMS):
+        p.error(f"--systems: {sorted(unknown)} unknown; choose from {', '.join(SYSTEMS)}")
+    try:
+        [float(x) for x in args.ray_sweep.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--ray-sweep {args.ray_sweep!r}: seconds separated by commas, e.g. 5,15,60")
     if args.table:
         with open(args.results) as f:
-            print(table(json.load(f)["figures"]["goodput"]))
+            print(table(json.load(f)["figures"][figure_name(args)]))
+        return
+    if args.state_check:
+        print(json.dumps(state_check(args), indent=1))
         return
     from bench.run import load
 

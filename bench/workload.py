@@ -1,9 +1,10 @@
 """The training workload every system runs, and the event log it writes.
 
-One loop, `run_loop`, is shared by ft-train, Ray Train and bare torch.distributed: only the
-adapter (`Api`) that wraps the system's model preparation, checkpoint lookup and report() differs.
-So the three measure the same model (a 4.2M-parameter MLP, DDP over gloo), the same batches, the
-same checkpoint contents and the same fault points.
+One loop, `run_loop`, is shared by ft-train, Ray Train, torchft and bare torch.distributed: only
+the adapter (`Api`) that wraps the system's model and optimizer preparation, checkpoint lookup and
+report() differs. So they measure the same model (`config["workload"]`: "mlp", a 4.2M-parameter
+MLP with SGD, the default; or "transformer", `bench.transformer`'s decoder with AdamW), DDP over
+gloo, the same batches, the same checkpoint contents and the same fault points.
 
 Each rank appends one JSON line per event to `config["events"]` (O_APPEND, one write per line, so
 the lines of two ranks never interleave). Times are wall-clock `time.time()` so that events from
@@ -37,6 +38,25 @@ def build_model() -> nn.Module:
     return nn.Sequential(
         nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, IN), nn.ReLU(), nn.Linear(IN, OUT)
     )
+
+
+def build(workload: str) -> tuple[nn.Module, Callable, Callable, int]:
+    """(model, make_optimizer(params), batch(generator) -> (inputs, targets), samples a rank
+    trains a step) of the workload named `workload`."""
+    if workload == "transformer":
+        from bench import transformer
+
+        return transformer.build()
+    if workload != "mlp":
+        raise ValueError(f"workload {workload!r}: choose mlp or transformer")
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
+
+    def make_opt(params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    return build_model(), make_opt, batch, BATCH
 
 
 def n_params(model: nn.Module) -> int:
@@ -84,6 +104,20 @@ class Api:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+    def prepare_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps (torchft wraps it; the others use it as it is)."""
+        return opt
+
+    def step_done(self, step: int) -> int | None:
+        """After the optimizer step of `step`: the step the system has now completed, as it
+        counts them, or None where it threw the step away (torchft: a peer failed during it;
+        the loop trains it again). Every other system completes the step it was given."""
+        return step
+
+    def step_fields(self) -> dict:
+        """Extra fields of each "step" event (torchft: how many replicas took part)."""
+        return {}
 
     def checkpoint_dir(self) -> ContextManager[str | None]:
         """The latest committed checkpoint as a local directory, or None."""
@@ -226,8 +260,9 @@ def run_loop(config: dict, api: Api) -> None:
     ev = Events(config.get("events"), api.system, rank)
     ev.emit("start", pid=os.getpid())
     torch.manual_seed(0)
-    model = api.prepare_model(build_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    built, make_opt, batch, _ = build(config.get("workload", "mlp"))
+    model = api.prepare_model(built)
+    opt = api.prepare_optimizer(make_opt(model.parameters()))
     raw = getattr(model, "module", model)
 
     start, restored = 0, False
@@ -242,12 +277,13 @@ def run_loop(config: dict, api: Api) -> None:
     ev.emit("ready")
 
     g = torch.Generator().manual_seed(100 + rank)
-    x, y = torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
+    x, y = batch(g)
     every, report_every = config.get("checkpoint_every", 0), config.get("report_every", 1)
     mode = config.get("upload", "sync")
     pad = None
     if every and rank == 0:
-        # model + optimizer are 33.7 MB; pad the checkpoint up to the asked size
+        # model + optimizer (SGD with momentum: twice the parameters' bytes; the MLP's are
+        # 33.7 MB); pad the checkpoint up to the asked size
         base = 2 * 4 * n_params(raw)
         pad = (
             _pad(config.get("checkpoint_bytes", 0) - base)
@@ -269,22 +305,28 @@ def run_loop(config: dict, api: Api) -> None:
     control, stop_at = config.get("control"), None
     poll, noticed = config.get("poll_preemption", False), False
 
-    for step in range(start + 1, config["steps"] + 1):
+    step = start
+    while step < config["steps"]:
         if control:
-            stop_at = _control(control, rank, step, stop_at, ev)
-            if stop_at is not None and step > stop_at:
+            stop_at = _control(control, rank, step + 1, stop_at, ev)
+            if stop_at is not None and step + 1 > stop_at:
                 break
-        _fault(config, api, rank, step, ev)
+        _fault(config, api, rank, step + 1, ev)
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
+        out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
-        done = step
+        completed = api.step_done(step + 1)
+        if completed is None:  # thrown away by the system: trained again
+            ev.emit("discard", step=step + 1)
+            continue
+        step = done = completed
         if poll and api.preemption_info() is not None and not noticed:
             noticed = True
             ev.emit("preemption_notice", step=step)
         t = time.time()
-        ev.emit("step", t=t, step=step, restored=restored)
+        ev.emit("step", t=t, step=step, restored=restored, **api.step_fields())
         metrics = {"step": step, "loss": loss.item(), "t": t}
         if every and step % every == 0:
             if step > every and config.get("settle"):
@@ -296,8 +338,10 @@ def run_loop(config: dict, api: Api) -> None:
             t0 = time.perf_counter()
             taken_over = mode == "async" and api.async_owns_dir and rank == 0
             with api.save_dir(config.get("checkpoint_bytes", 0), taken_over) as d:
+                nbytes = 0
                 if rank == 0:
                     torch.save(checkpoint_state(model, opt, step, pad), os.path.join(d, "state.pt"))
+                    nbytes = os.path.getsize(os.path.join(d, "state.pt"))
                 t1 = time.perf_counter()
                 api.report(metrics, d if rank == 0 else None, mode)
                 t2 = time.perf_counter()
@@ -310,6 +354,7 @@ def run_loop(config: dict, api: Api) -> None:
                 cleanup_s=t3 - t2,
                 stall_s=t3 - t0,
                 mode=mode,
+                bytes=nbytes,
             )
         elif report_every and step % report_every == 0:
             t0 = time.perf_counter()

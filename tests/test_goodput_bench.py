@@ -173,3 +173,40 @@ def test_a_new_node_starts_at_the_least_cpu_weight_until_it_is_idle():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_with_partial_restarts_the_injector_waits_for_the_failed_rank_alone(tmp_path):
+    # torchft: only the failed replica restarts; the survivor trains on and never starts again.
+    # The next fault waits for the failed rank's restart and first step, not for the survivor's.
+    control, path = tmp_path / "control", str(tmp_path / "events.jsonl")
+    control.mkdir()
+    cfg = {"events": path, "control": str(control)}
+    p = {"duration_s": 1.5, "fault_every_s": 0.2, "kinds": ("kill", "raise")}
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    log = [Events(path, "test", r) for r in range(2)]
+    try:
+        injector = goodput.Injector(cfg, p, replace_node=lambda: None, partial_restart=True)
+        with injector:
+            for r in range(2):
+                log[r].emit("start", pid=ranks[r].pid)
+                log[r].emit("step", step=1)
+            assert ranks[1].wait(timeout=10) == -9  # fault 0: rank 1 killed
+            log[0].emit("step", step=2)  # the survivor trains on alone
+            wait_for(lambda: time.time() > injector.faults[0]["t"] + 0.5, 5, "0.5 s to pass")
+            assert len(injector.faults) == 1  # rank 1 has not come back: no fault meanwhile
+            log[1].emit("start", pid=ranks[0].pid)
+            back = time.time()
+            for r in range(2):
+                log[r].emit("step", step=3)
+            # fault 1: rank 0 told to raise, though rank 0 never restarted
+            wait_for((control / "raise-0").exists, 10, "rank 0's raise file")
+        assert [(f["kind"], f["rank"]) for f in injector.faults] == [("kill", 1), ("raise", 0)]
+        assert injector.faults[1]["t"] > back
+    finally:
+        for proc in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        for e in log:
+            if e.fd is not None:
+                os.close(e.fd)
