@@ -27,7 +27,8 @@ def with_deployment_defaults(run: ft_train.RunConfig) -> ft_train.RunConfig:
     """`run` merged over the deployment's `run_config` parameter, in a flow run of a deployment
     that has one; else `run`."""
     context = FlowRunContext.get()
-    deployment_id = None if context is None else context.flow_run.deployment_id
+    flow_run = None if context is None else context.flow_run
+    deployment_id = None if flow_run is None else flow_run.deployment_id
     if deployment_id is None:
         return run
     with get_client(sync_client=True) as client:

@@ -45,8 +45,8 @@ from ft_train.controller import Callback
 from ft_train.driver.prepare import RunPlan
 from ft_train.policy.failure import preemptions
 from ft_train.storage.metric_history import MetricHistory
-from ft_train.wording import after_report
 from ft_train.storage.run_state import AttemptRecord, CheckpointEntry, FailureRecord, RunState
+from ft_train.wording import after_report
 
 from . import plot
 from .keys import artifact_key

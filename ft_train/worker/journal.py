@@ -37,7 +37,8 @@ import shutil
 import struct
 import threading
 import time
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from ..protocol import Report, UploadIntent
 from . import scratch
@@ -164,7 +165,8 @@ def collect(run: str, attempt_id: str, root: str | None = None) -> dict[int, dic
     return found
 
 
-class Reached(NamedTuple):
+@dataclass(frozen=True)
+class Reached:
     """How far every rank of an attempt got, from their journals (times in epoch seconds)."""
 
     index: int  # the newest report every rank returned from

@@ -62,7 +62,10 @@ def test_the_history_is_written_beside_the_run_state_only_by_the_lease_holder(tm
 
 
 def test_progress_comes_from_total_steps_then_epochs_else_says_the_total_is_unknown():
-    assert progress(30, {"total_steps": 120}, {}) == (25.0, "report 30 of 120 (total_steps reported)")
+    assert progress(30, {"total_steps": 120}, {}) == (
+        25.0,
+        "report 30 of 120 (total_steps reported)",
+    )
     pct, what = progress(30, {"epoch": 1}, {"epochs": 4})
     assert pct == 25.0 and "epoch 1 of 4" in what
     pct, what = progress(30, {"loss": 0.1}, {"epochs": "many"})
@@ -110,7 +113,8 @@ def test_a_restart_is_titled_with_where_it_started_and_the_failure_before_it():
     state = RunState(name="r", failures=[FailureRecord(kind="exception", rank=1, step=7)])
     attempt = AttemptRecord(attempt=1, attempt_id="a1", world_size=2, start_report_index=5)
     assert (
-        restart_title(attempt, state) == "Restart 1 from report 5: rank 1's exception after report 7"
+        restart_title(attempt, state)
+        == "Restart 1 from report 5: rank 1's exception after report 7"
     )
     state = RunState(name="r", failures=[FailureRecord(kind="driver_crash", charged=False)])
     attempt = AttemptRecord(attempt=2, attempt_id="a2", world_size=2)
