@@ -31,10 +31,19 @@ if TYPE_CHECKING:
     from .storage.checkpoint import Checkpoint
     from .storage.run_state import FailureRecord
 
-__all__ = ["TrainRunContext", "UserCallback", "check_form", "describe", "hide", "load", "load_all"]
+__all__ = [
+    "URL_PASSWORD",
+    "TrainRunContext",
+    "UserCallback",
+    "check_form",
+    "describe",
+    "hide",
+    "load",
+    "load_all",
+]
 
 # A URL that holds a password: scheme://user:password@host
-_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
 @dataclass(frozen=True)
@@ -159,7 +168,7 @@ def hide(kwargs: dict[str, Any]) -> dict[str, Any]:
     hidden = credentials.hide(kwargs)
     return {
         k: credentials.hide({"password": v})["password"]
-        if isinstance(v, str) and _URL_PASSWORD.search(v)
+        if isinstance(v, str) and URL_PASSWORD.search(v)
         else v
         for k, v in hidden.items()
     }
