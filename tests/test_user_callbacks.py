@@ -101,11 +101,15 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     assert any(re.search(r"Raising\.after_report raised \d+ times", m) for m in raised), raised
 
     # What the recorder saw: every report index, with every rank's metrics; each checkpoint
-    # before its report; the killed rank; the end.
+    # before its report; the killed rank; the end. Reports still queued on rank 1 when it was
+    # killed (they travel in batches, `knobs.REPORT_BATCH_S`) die with it: an index before the
+    # restore point (10) that is not a checkpoint's may be missing, as from the run's history.
     reports = recorder.hooks("after_report")
     indices = [r["index"] for r in reports]
-    assert sorted(set(indices)) == list(range(1, STEPS + 1))
-    assert all(indices.count(i) == 1 for i in range(1, EVERY * 2 + 1))  # before the restore point
+    missing = set(range(1, STEPS + 1)) - set(indices)
+    assert all(i < 2 * EVERY and i % EVERY for i in missing), sorted(missing)
+    assert set(indices) <= set(range(1, STEPS + 1))
+    assert all(indices.count(i) <= 1 for i in range(1, EVERY * 2 + 1))  # before the restore point
     assert all(indices.count(i) == 1 for i in range(14, STEPS + 1))  # after the failure
     assert {r["ranks"] for r in reports} == {2}
     assert {r["path"] for r in reports} == {result.path}
