@@ -66,7 +66,7 @@ class DigitsModule(pl.LightningModule):
         self.log("val_accuracy", accuracy, sync_dist=True)  # over every rank's shard
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
 
 
 def loaders(batch_size: int) -> tuple[DataLoader, DataLoader]:

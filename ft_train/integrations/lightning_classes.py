@@ -126,6 +126,10 @@ def _rendezvous(variable: str) -> str:
 class StrategyMixin:
     """Lightning's strategy on ft-train's process group, device and world."""
 
+    # Lightning's strategy, which the class built from this mixin derives from, has these
+    world_size: int
+    global_rank: int
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         for name, instead in _OWNED.items():
             if kwargs.get(name) is not None:
