@@ -27,7 +27,6 @@ from .errors import ConfigError
 from .storage import credentials
 
 if TYPE_CHECKING:
-    from .config import RunConfig, ScalingConfig
     from .storage.checkpoint import Checkpoint
     from .storage.run_state import FailureRecord
 
@@ -53,9 +52,11 @@ class TrainRunContext:
     the same for every attempt and every driver that trains it (Ray's `run_id` is new per
     controller; here it is the path)."""
 
-    run_config: RunConfig
+    # an ft_train.RunConfig and ScalingConfig: typed Any, as ft_train.config imports this
+    # module (to check RunConfig.callbacks' items) and the two must not import each other
+    run_config: Any
     train_loop_config: dict[str, Any]
-    scaling_config: ScalingConfig
+    scaling_config: Any
     path: str
     driver_run: int = 1  # this driver's number among those that trained the run (1: the first)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class TrainRunContext:
     def name(self) -> str:
         return self.run_config.name or ""
 
-    def get_run_config(self) -> RunConfig:
+    def get_run_config(self) -> Any:
         return self.run_config
 
 
@@ -174,7 +175,7 @@ def hide(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_all(run_config: RunConfig) -> list[UserCallback]:
+def load_all(run_config: Any) -> list[UserCallback]:
     """The callbacks of `run_config`, imported and built in the driver. ConfigError naming the
     item and the fix if a path does not import, names no UserCallback, or its class refuses
     the kwargs."""
