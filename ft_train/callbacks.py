@@ -86,8 +86,10 @@ class UserCallback:
         metrics: list[dict[str, Any]],
         checkpoint: Checkpoint | None,
     ) -> None:
-        """Every rank reported a round (Ray's hook). `metrics[i]` is rank i's metrics;
-        `checkpoint` the round's committed checkpoint, or None if no rank attached one.
+        """Every rank reported a round (Ray's hook). `metrics[i]` is rank i's metrics (a
+        round recovered from the ranks' journals after a rank died has those of the ranks whose
+        message survived); `checkpoint` the round's committed checkpoint, or None if no rank
+        attached one.
 
         ft-train also passes `report_index=` (the round's index, from 1, the same across
         attempts and drivers) to an override that takes a parameter of that name (or
