@@ -102,23 +102,30 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
 
     # What the recorder saw: every report index, with every rank's metrics; each checkpoint
     # before its report; the killed rank; the end. Reports still queued on rank 1 when it was
-    # killed (they travel in batches, `knobs.REPORT_BATCH_S`) die with it: an index before the
-    # restore point (10) that is not a checkpoint's may be missing, as from the run's history.
+    # killed (they travel in batches, `knobs.REPORT_BATCH_S`) die with it: a round before the
+    # restore point (10), checkpoint 5's included, may be missing, as from the run's history
+    # (at 3 ms a step, rank 1 is killed before its first batch goes).
+    restore = 2 * EVERY
     reports = recorder.hooks("after_report")
     indices = [r["index"] for r in reports]
     missing = set(range(1, STEPS + 1)) - set(indices)
-    assert all(i < 2 * EVERY and i % EVERY for i in missing), sorted(missing)
+    assert all(i < restore for i in missing), sorted(missing)
     assert set(indices) <= set(range(1, STEPS + 1))
-    assert all(indices.count(i) <= 1 for i in range(1, EVERY * 2 + 1))  # before the restore point
+    assert all(indices.count(i) <= 1 for i in range(1, restore + 1))  # up to the restore point
     assert all(indices.count(i) == 1 for i in range(14, STEPS + 1))  # after the failure
-    assert {r["ranks"] for r in reports} == {2}
+    # every rank's metrics; the restore point's round, recovered from the ranks' journals, may
+    # have only those whose message survived the kill
+    assert {r["ranks"] for r in reports if r["index"] != restore} == {2}
     assert {r["path"] for r in reports} == {result.path}
     committed = [c["index"] for c in recorder.hooks("after_checkpoint")]
-    assert sorted(set(committed)) == list(range(EVERY, STEPS + 1, EVERY))
+    assert sorted(set(committed)) in (
+        list(range(EVERY, STEPS + 1, EVERY)),
+        list(range(restore, STEPS + 1, EVERY)),
+    ), committed
     with_ckpt = [r for r in reports if r["checkpoint"]]
     assert [r["index"] for r in with_ckpt] == committed
     order = [(h, a.get("index")) for h, a in recorder.calls]
-    assert order.index(("after_checkpoint", EVERY)) < order.index(("after_report", EVERY))
+    assert order.index(("after_checkpoint", restore)) < order.index(("after_report", restore))
     [exception] = recorder.hooks("after_exception")
     assert list(exception["errors"]) == [1] and "RankError" in exception["errors"][1]
     [failure] = recorder.hooks("after_failure")
@@ -127,7 +134,7 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
         {"status": "finished", "error": None, "at": recorder.hooks("after_run_end")[0]["at"]}
     ]
     # Ray's signatures work as Ray calls them
-    assert len(ray_style.reports) == len(reports) and set(ray_style.reports) == {2}
+    assert ray_style.reports == [r["ranks"] for r in reports]
     assert [list(e) for e in ray_style.exceptions] == [[1]]
 
     # The dict form got its kwargs, credentials included (their hashes show it)...
