@@ -63,6 +63,9 @@ def test_one_tracked_run_across_a_killed_rank_and_a_killed_driver(tmp_path, pref
         state = load_state(storage, "tracked")
         assert [f.kind for f in state.failures] == ["process_death"]
         wait_for(lambda: _logged_upto(client) == 12, 120, "MLflow to hold report 12")
+        # each callback has a thread of its own: TensorBoard's may lag behind (its first call
+        # imports it); a driver killed before it took report 10 would lose what it queued
+        wait_for(lambda: _written_upto(tb) >= 10, 120, "TensorBoard to hold report 10")
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=60)
     finally:
@@ -129,3 +132,17 @@ def _logged_upto(client) -> int:
     if not runs:
         return 0
     return max((m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")), default=0)
+
+
+def _written_upto(tb: str) -> int:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not os.path.isdir(os.path.join(tb, "tracked")):
+        return 0
+    events = EventAccumulator(
+        os.path.join(tb, "tracked"), size_guidance={"scalars": 0}, purge_orphaned_data=False
+    )
+    events.Reload()
+    if "loss" not in events.Tags()["scalars"]:
+        return 0
+    return max((e.step for e in events.Scalars("loss")), default=0)
