@@ -27,14 +27,22 @@ from .errors import ConfigError
 from .storage import credentials
 
 if TYPE_CHECKING:
-    from .config import RunConfig, ScalingConfig
     from .storage.checkpoint import Checkpoint
     from .storage.run_state import FailureRecord
 
-__all__ = ["TrainRunContext", "UserCallback", "check_form", "describe", "hide", "load", "load_all"]
+__all__ = [
+    "URL_PASSWORD",
+    "TrainRunContext",
+    "UserCallback",
+    "check_form",
+    "describe",
+    "hide",
+    "load",
+    "load_all",
+]
 
 # A URL that holds a password: scheme://user:password@host
-_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
 @dataclass(frozen=True)
@@ -44,9 +52,11 @@ class TrainRunContext:
     the same for every attempt and every driver that trains it (Ray's `run_id` is new per
     controller; here it is the path)."""
 
-    run_config: RunConfig
+    # an ft_train.RunConfig and ScalingConfig: typed Any, as ft_train.config imports this
+    # module (to check RunConfig.callbacks' items) and the two must not import each other
+    run_config: Any
     train_loop_config: dict[str, Any]
-    scaling_config: ScalingConfig
+    scaling_config: Any
     path: str
     driver_run: int = 1  # this driver's number among those that trained the run (1: the first)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -59,7 +69,7 @@ class TrainRunContext:
     def name(self) -> str:
         return self.run_config.name or ""
 
-    def get_run_config(self) -> RunConfig:
+    def get_run_config(self) -> Any:
         return self.run_config
 
 
@@ -76,8 +86,10 @@ class UserCallback:
         metrics: list[dict[str, Any]],
         checkpoint: Checkpoint | None,
     ) -> None:
-        """Every rank reported a round (Ray's hook). `metrics[i]` is rank i's metrics;
-        `checkpoint` the round's committed checkpoint, or None if no rank attached one.
+        """Every rank reported a round (Ray's hook). `metrics[i]` is rank i's metrics (a
+        round recovered from the ranks' journals after a rank died has those of the ranks whose
+        message survived); `checkpoint` the round's committed checkpoint, or None if no rank
+        attached one.
 
         ft-train also passes `report_index=` (the round's index, from 1, the same across
         attempts and drivers) to an override that takes a parameter of that name (or
@@ -159,13 +171,13 @@ def hide(kwargs: dict[str, Any]) -> dict[str, Any]:
     hidden = credentials.hide(kwargs)
     return {
         k: credentials.hide({"password": v})["password"]
-        if isinstance(v, str) and _URL_PASSWORD.search(v)
+        if isinstance(v, str) and URL_PASSWORD.search(v)
         else v
         for k, v in hidden.items()
     }
 
 
-def load_all(run_config: RunConfig) -> list[UserCallback]:
+def load_all(run_config: Any) -> list[UserCallback]:
     """The callbacks of `run_config`, imported and built in the driver. ConfigError naming the
     item and the fix if a path does not import, names no UserCallback, or its class refuses
     the kwargs."""

@@ -269,6 +269,13 @@ class RunConfig(_Config):
                                 "propertyNames": {
                                     "not": {"pattern": credentials.CREDENTIAL.pattern}
                                 },
+                                # nor a URL that holds a password (http://user:password@host)
+                                "additionalProperties": {
+                                    "not": {
+                                        "type": "string",
+                                        "pattern": user_callbacks.URL_PASSWORD.pattern,
+                                    }
+                                },
                             },
                         },
                         "required": ["callback"],

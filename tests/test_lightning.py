@@ -42,6 +42,17 @@ def lightning_config(tmp_path, package: str, names: str, **kw) -> dict:
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_without_lightning():
+    """The driver's fork server, started before any run of this module, imports neither Lightning
+    package: one started by a `lightning` run (its preload) would give every later rank both
+    packages, and Ray's names then serve `lightning`, not the `pytorch_lightning` a run imports
+    alone (ft_train.lightning). The workers import a run's preload as they join instead."""
+    from ft_train.driver.cluster import start_forkserver
+
+    start_forkserver()
+
+
 def cluster(package: str) -> ft_train.ClusterConfig:
     # the fork server imports Lightning once: a restarted group's ranks have it at once
     return ft_train.ClusterConfig(preload=(PRELOAD[package],))
@@ -90,9 +101,15 @@ def test_a_failed_rank_resumes_from_the_latest_reported_checkpoint(
     # the Trainer restored the checkpoint's global step (4), not 0, and stopped at max_steps
     assert result.last_metrics["start_step"] == 4
     assert result.last_metrics["step"] == 8
-    by_attempt = [(c.attempt, c.metrics["step"]) for c in state.checkpoints]
-    assert by_attempt == [(0, 2), (0, 4), (1, 6), (1, 8)]
-    assert [c.metrics["start_step"] for c in state.checkpoints] == [0, 0, 4, 4]
+    by_attempt = [
+        (c.attempt, c.metrics["step"], c.metrics["start_step"]) for c in state.checkpoints
+    ]
+    # step 2's round may have died queued on the killed rank (reports travel in batches; the
+    # ranks' journals commit the newest round they all reached, step 4's): then it is not kept
+    assert by_attempt in (
+        [(0, 2, 0), (0, 4, 0), (1, 6, 4), (1, 8, 4)],
+        [(0, 4, 0), (1, 6, 4), (1, 8, 4)],
+    ), by_attempt
     with result.checkpoint.as_directory() as d:
         # rank 0's file; the other rank attached nothing (an empty directory would be refused)
         assert [f for f in os.listdir(d) if not f.startswith(".")] == ["checkpoint.ckpt"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 
 import pytest
 
@@ -57,7 +58,9 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
 ):
     path = str(tmp_path / "runs")
     kill = {"rank": 1, "step": 13, "kind": "kill"}
-    base = _train(path, "baseline", [], [{**kill, "marker": str(tmp_path / "k0")}], step_s)
+    # names of their own per parameter: the session's Prefect API holds every test's flow runs
+    baseline, watched = f"baseline-{step_s * 1000:.0f}ms", f"watched-{step_s * 1000:.0f}ms"
+    base = _train(path, baseline, [], [{**kill, "marker": str(tmp_path / "k0")}], step_s)
     assert base.status == "finished"
 
     monkeypatch.setattr(knobs, "CALLBACK_DRAIN_S", 1.0)  # the slow one is left behind at the end
@@ -76,7 +79,7 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     logging.getLogger("ft_train").addHandler(logged)
     try:
         result = _train(
-            path, "watched", callbacks, [{**kill, "marker": str(tmp_path / "k1")}], step_s
+            path, watched, callbacks, [{**kill, "marker": str(tmp_path / "k1")}], step_s
         )
     finally:
         logging.getLogger("ft_train").removeHandler(logged)
@@ -85,8 +88,8 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     # Neither recovery nor the reports waited for the callbacks (a generous bound: one 5 s
     # call on the controller's thread would break either).
     (base_recovery, base_rate), (recovery, rate) = (
-        _timings(path, "baseline"),
-        _timings(path, "watched"),
+        _timings(path, baseline),
+        _timings(path, watched),
     )
     assert recovery < 2 * base_recovery + 2.0, (recovery, base_recovery)
     assert rate > base_rate / 3, (rate, base_rate)
@@ -94,23 +97,35 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     # The one that raises: logged once per hook, and the run finished.
     raised = [m for m in logged.messages if "Raising." in m]
     for hook in ("after_report", "after_checkpoint", "after_exception", "after_failure"):
-        assert sum(f"Raising.{hook} raised" in m for m in raised) == 1, raised
+        assert sum(f"Raising.{hook} raised RuntimeError" in m for m in raised) == 1, raised
+    assert any(re.search(r"Raising\.after_report raised \d+ times", m) for m in raised), raised
 
     # What the recorder saw: every report index, with every rank's metrics; each checkpoint
-    # before its report; the killed rank; the end.
+    # before its report; the killed rank; the end. Reports still queued on rank 1 when it was
+    # killed (they travel in batches, `knobs.REPORT_BATCH_S`) die with it: a round before the
+    # restore point (10), checkpoint 5's included, may be missing, as from the run's history
+    # (at 3 ms a step, rank 1 is killed before its first batch goes).
+    restore = 2 * EVERY
     reports = recorder.hooks("after_report")
     indices = [r["index"] for r in reports]
-    assert sorted(set(indices)) == list(range(1, STEPS + 1))
-    assert all(indices.count(i) == 1 for i in range(1, EVERY * 2 + 1))  # before the restore point
+    missing = set(range(1, STEPS + 1)) - set(indices)
+    assert all(i < restore for i in missing), sorted(missing)
+    assert set(indices) <= set(range(1, STEPS + 1))
+    assert all(indices.count(i) <= 1 for i in range(1, restore + 1))  # up to the restore point
     assert all(indices.count(i) == 1 for i in range(14, STEPS + 1))  # after the failure
-    assert {r["ranks"] for r in reports} == {2}
+    # every rank's metrics; the restore point's round, recovered from the ranks' journals, may
+    # have only those whose message survived the kill
+    assert {r["ranks"] for r in reports if r["index"] != restore} == {2}
     assert {r["path"] for r in reports} == {result.path}
     committed = [c["index"] for c in recorder.hooks("after_checkpoint")]
-    assert sorted(set(committed)) == list(range(EVERY, STEPS + 1, EVERY))
+    assert sorted(set(committed)) in (
+        list(range(EVERY, STEPS + 1, EVERY)),
+        list(range(restore, STEPS + 1, EVERY)),
+    ), committed
     with_ckpt = [r for r in reports if r["checkpoint"]]
     assert [r["index"] for r in with_ckpt] == committed
     order = [(h, a.get("index")) for h, a in recorder.calls]
-    assert order.index(("after_checkpoint", EVERY)) < order.index(("after_report", EVERY))
+    assert order.index(("after_checkpoint", restore)) < order.index(("after_report", restore))
     [exception] = recorder.hooks("after_exception")
     assert list(exception["errors"]) == [1] and "RankError" in exception["errors"][1]
     [failure] = recorder.hooks("after_failure")
@@ -119,7 +134,7 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
         {"status": "finished", "error": None, "at": recorder.hooks("after_run_end")[0]["at"]}
     ]
     # Ray's signatures work as Ray calls them
-    assert len(ray_style.reports) == len(reports) and set(ray_style.reports) == {2}
+    assert ray_style.reports == [r["ranks"] for r in reports]
     assert [list(e) for e in ray_style.exceptions] == [[1]]
 
     # The dict form got its kwargs, credentials included (their hashes show it)...
@@ -130,7 +145,7 @@ def test_slow_and_raising_callbacks_change_nothing_and_see_everything(
     # ... which Prefect stored nowhere (parameters, task runs, logs, artifacts, events), nor
     # the run's storage.
     planted = (TOKEN, PASSWORD)
-    for where, text in stored_by_prefect(["watched"]).items():
+    for where, text in stored_by_prefect([watched]).items():
         assert not any(p in text for p in planted), where
     runs = Storage(path)
     for file in runs.fs.find(path):
@@ -184,10 +199,16 @@ def test_run_config_callbacks_in_a_deployment_schema_refuse_credentials():
     item = {"callback": "ft_train.integrations.mlflow:MLflowCallback", "kwargs": {}}
     ok = {"train_loop": "m:f", "run_config": {"name": "r", "callbacks": ["a.b:C", item]}}
     validate(ok, schema, raise_on_error=True)
-    bad = {**item, "kwargs": {"tracking_token": "x"}}
-    with pytest.raises(Exception, match="tracking_token"):
-        validate(
-            {"train_loop": "m:f", "run_config": {"name": "r", "callbacks": [bad]}},
-            schema,
-            raise_on_error=True,
-        )
+    ok_url = {**item, "kwargs": {"tracking_uri": "http://mlflow:5000"}}
+    validate({**ok, "run_config": {"name": "r", "callbacks": [ok_url]}}, schema, True)
+    for kwargs, says in [
+        ({"tracking_token": "x"}, "tracking_token"),
+        ({"tracking_uri": f"http://me:{PASSWORD}@mlflow:5000"}, "should not be valid"),
+    ]:
+        bad = {**item, "kwargs": kwargs}
+        with pytest.raises(Exception, match=says):
+            validate(
+                {"train_loop": "m:f", "run_config": {"name": "r", "callbacks": [bad]}},
+                schema,
+                raise_on_error=True,
+            )

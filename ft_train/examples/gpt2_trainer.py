@@ -10,6 +10,8 @@ scheduler, every rank's RNG, its global_step and data position).
 
     ft-train run ft_train.examples.gpt2_trainer:train_fn --name gpt2-1 --workers 2 \\
         --config max_steps=60 --config save_steps=20
+    python -m ft_train.examples.gpt2_trainer            # from Python: TorchTrainer(...).fit()
+    prefect deployment run 'ft-train/gpt2-trainer'      # the deployment in prefect.yaml
 
 Config keys (all optional): max_steps (default 40; -1 to train `epochs` epochs), epochs,
 save_strategy ("steps" or "epoch"), save_steps, save_total_limit, logging_steps, batch_size, lr,
@@ -125,3 +127,22 @@ def train_fn(config: dict[str, Any]) -> None:
     trainer = prepare_trainer(trainer)  # refuses a Trainer that does not see ft-train's group
     with resume_from_checkpoint() as checkpoint:  # None on a fresh run
         trainer.train(resume_from_checkpoint=checkpoint)
+
+
+if __name__ == "__main__":  # python -m ft_train.examples.gpt2_trainer
+    import ft_train.torch
+
+    result = ft_train.torch.TorchTrainer(
+        # by import path: the ranks import the module, not this script's __main__
+        "ft_train.examples.gpt2_trainer:train_fn",
+        train_loop_config={"max_steps": 60, "save_steps": 20},
+        scaling_config=ft_train.ScalingConfig(num_workers=2),
+        run_config=ft_train.RunConfig(
+            name="gpt2", failure_config=ft_train.FailureConfig(max_failures=3)
+        ),
+        # the workers' fork server imports Transformers once: a restart's ranks have it at once
+        cluster=ft_train.ClusterConfig(
+            preload=("transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
+        ),
+    ).fit()
+    print(result.metrics)

@@ -124,7 +124,8 @@ if __name__ == "__main__":
     import ft_train.torch
 
     result = ft_train.torch.TorchTrainer(
-        train_fn,
+        # by import path: the ranks import the module, not this script's __main__
+        "ft_train.examples.lightning_digits:train_fn",
         train_loop_config={"max_epochs": 3},
         scaling_config=ft_train.ScalingConfig(num_workers=2),
         run_config=ft_train.RunConfig(name="lightning-digits"),

@@ -126,7 +126,7 @@ def _rendezvous(variable: str) -> str:
 class StrategyMixin:
     """Lightning's strategy on ft-train's process group, device and world."""
 
-    # Lightning's strategy class, which this is mixed into, has them
+    # Lightning's strategy, which the class built from this mixin derives from, has these
     world_size: int
     global_rank: int
 
@@ -278,7 +278,8 @@ def _trainer_check(ns: SimpleNamespace, module: str) -> Any:
         """Check that `trainer` trains on ft-train's ranks, and return it (Ray's
         `prepare_trainer`). Raises ConfigError naming what to pass instead: a Trainer of the
         other Lightning package, a strategy other than this module's `DDPStrategy` or
-        `FSDPStrategy` (or a subclass), a cluster environment other than `FtTrainEnvironment`."""
+        `FSDPStrategy` (or a subclass), `FSDPStrategy` on CPU (torch's FSDP needs GPUs), a
+        cluster environment other than `FtTrainEnvironment`."""
         if not isinstance(trainer, ns.pl.Trainer):
             other = next(p for p in PACKAGES if p != ns.package)
             raise ConfigError(
@@ -292,6 +293,16 @@ def _trainer_check(ns: SimpleNamespace, module: str) -> Any:
                 f"Trainer(strategy=...) is a {type(strategy).__name__}: pass "
                 f"strategy={module}.DDPStrategy() (Ray: RayDDPStrategy), or FSDPStrategy() on GPU, "
                 "so that Lightning trains on ft-train's process group, device and data shards"
+            )
+        if isinstance(strategy, ns.FSDPStrategy) and isinstance(
+            trainer.accelerator, ns.pl.accelerators.CPUAccelerator
+        ):
+            # torch's FSDP (FullyShardedDataParallel) refuses CPU on the ranks ("FSDP needs a
+            # non-CPU accelerator device"): refused here, once, not retried as a rank's failure
+            raise ConfigError(
+                f"Trainer(strategy={module}.FSDPStrategy()) on CPU: torch's FSDP needs GPUs; "
+                "give ScalingConfig(use_gpu=True) and Trainer(accelerator='gpu'), or "
+                f"strategy={module}.DDPStrategy() on CPU"
             )
         environment = getattr(strategy, "cluster_environment", None)
         if not isinstance(environment, ns.FtTrainEnvironment):

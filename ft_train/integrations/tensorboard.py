@@ -56,6 +56,10 @@ class TensorBoardCallback(UserCallback):
         for key, value in _numbers(metrics[0] if metrics else {}).items():
             self.writer.add_scalar(key, value, global_step=report_index)
         self.written_upto = report_index
+        if checkpoint is not None:
+            # on disk with the checkpoint: a restart resumes after this report and never
+            # reports it again, so a driver killed now must not lose it
+            self.writer.flush()
 
     def after_checkpoint(
         self,
@@ -66,7 +70,6 @@ class TensorBoardCallback(UserCallback):
     ) -> None:
         self._open(run_context)
         self._text("ft_train/checkpoint", f"report {report_index}: {checkpoint.path}")
-        self.writer.flush()  # what a committed checkpoint covers is on disk with it
 
     def after_failure(
         self, run_context: TrainRunContext, failure: FailureRecord, failures_left: int | None

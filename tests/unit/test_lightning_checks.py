@@ -47,6 +47,22 @@ def test_prepare_trainer_refuses_lightnings_own_ddp(package):
         ours(package).prepare_trainer(trainer(package, strategy="ddp"))
 
 
+def test_prepare_trainer_refuses_fsdp_on_cpu(package):
+    # torch's FSDP would raise on every rank ("FSDP needs a non-CPU accelerator device"), a
+    # failure per attempt: refused once, before training, naming both ways out
+    for strategy in (ours(package).FSDPStrategy(), _ray_fsdp(package)):
+        with pytest.raises(ConfigError, match=r"FSDP needs GPUs.*use_gpu=True.*DDPStrategy"):
+            ours(package).prepare_trainer(trainer(package, strategy=strategy))
+
+
+def _ray_fsdp(package: str):
+    import ft_train.lightning as ray
+
+    # Ray's name serves one package (the one imported first, else `lightning`)
+    same = ray.RayFSDPStrategy.__module__ == ours(package).__name__
+    return ray.RayFSDPStrategy() if same else ours(package).FSDPStrategy()
+
+
 def test_prepare_trainer_refuses_another_cluster_environment(package):
     environments = importlib.import_module(f"{lightning(package).__name__}.plugins.environments")
     built = trainer(
