@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import pytest
 from pydantic import Secret
 
 import ft_train
 from ft_train.driver.user_callbacks import CallbackThread
+from tests.helpers import deadline
 
 
 class Gated(ft_train.UserCallback):
@@ -46,13 +46,19 @@ def test_a_blocked_callback_costs_the_caller_nothing_and_loses_the_oldest_report
     thread = CallbackThread(callback, max_reports=3)
     _report(thread, 1)
     assert callback.entered.wait(10)  # 1 is being delivered, and blocks
-    started = time.monotonic()
-    for index in range(2, 9):
-        _report(thread, index)
-    thread.put("after_run_end", {"run_context": None, "status": "finished", "error": None})
-    assert time.monotonic() - started < 0.5  # no put waited for the callback
+    put_all = threading.Event()
+
+    def caller():  # the controller's thread
+        for index in range(2, 9):
+            _report(thread, index)
+        thread.put("after_run_end", {"run_context": None, "status": "finished", "error": None})
+        put_all.set()
+
+    threading.Thread(target=caller, daemon=True).start()
+    # the callback stays blocked until the gate opens: a put that waited for it never returns
+    assert put_all.wait(10), "a put waited for the blocked callback"
     callback.gate.set()
-    assert thread.close(time.monotonic() + 10) == 0
+    assert thread.close(deadline(10)) == 0
     assert callback.got == [1, 6, 7, 8, -1]  # 2..5 dropped, oldest first; the end never
     assert thread.dropped == 4
 
@@ -63,9 +69,8 @@ def test_close_gives_up_on_a_callback_that_never_returns():
     _report(thread, 1)
     _report(thread, 2)
     assert callback.entered.wait(10)
-    started = time.monotonic()
-    assert thread.close(time.monotonic() + 0.3) == 2  # the one running, and the one queued
-    assert time.monotonic() - started < 5
+    # the callback never returns before the deadline (its gate opens after): close gives up
+    assert thread.close(deadline(0.3)) == 2  # the one running, and the one queued
     callback.gate.set()
 
 
@@ -79,7 +84,7 @@ def test_a_raising_hook_is_logged_once_then_counted(caplog):
     with caplog.at_level(logging.WARNING, logger="ft_train"):
         for _ in range(5):
             thread.put("after_report", {"run_context": None, "metrics": [], "checkpoint": None})
-        assert thread.close(time.monotonic() + 10) == 0
+        assert thread.close(deadline(10)) == 0
     logged = [r for r in caplog.records if "Raises.after_report raised ValueError" in r.message]
     assert len(logged) == 1 and thread.errors == {"after_report": 5}
     assert not thread.takes_index  # Ray's signature: report_index is not passed to it
