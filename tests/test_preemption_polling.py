@@ -17,11 +17,12 @@ import pytest
 from distributed import Client
 
 import ft_train
+from ft_train.compat.torch_distributed import control_group
 from ft_train.knobs import AGREE_EVERY_MAX
 from ft_train.storage.fs import Storage
 from ft_train.worker import preemption
 from ft_train.worker import session as session_module
-from ft_train.worker.rank import _control_group, free_port
+from ft_train.worker.rank import free_port
 from ft_train.worker.session import Session
 from tests.external_clusters import ExternalCluster
 from tests.helpers import load_state, wait_for
@@ -43,7 +44,7 @@ def _polling_rank(rank: int, port: int, script: str, interval_s: float, out) -> 
         agreement_interval_s=interval_s,
     )
     session = Session(spec, msgs.append)
-    session.control = _control_group()
+    session.control = control_group()
     session_module.install(session)
     seen: dict = {"rank": rank}
     try:

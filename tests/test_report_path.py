@@ -25,12 +25,13 @@ from types import SimpleNamespace
 import pytest
 
 import ft_train
+from ft_train.compat.torch_distributed import control_group
 from ft_train.knobs import AGREE_EVERY_MAX
 from ft_train.storage.checkpoint import MANIFEST, Checkpoint
 from ft_train.storage.checkpoint_manager import CHECKPOINT_DIR, checkpoint_dir_name
 from ft_train.storage.fs import Storage, file_digest
 from ft_train.worker import preemption
-from ft_train.worker.rank import _control_group, free_port
+from ft_train.worker.rank import free_port
 from ft_train.worker.session import Session
 from ft_train.worker.uploads import Uploads
 from tests.helpers import load_state, wait_for
@@ -243,7 +244,7 @@ def _agreement_rank(rank: int, port: int, script: str, out) -> None:  # in a chi
         spec(Storage(tempfile.mkdtemp()), rank, 2), agreement_interval_s=0.05 if paced else 0.0
     )
     session = Session(rank_spec, msgs.append)
-    session.control = _control_group()
+    session.control = control_group()
     seen: dict = {"rank": rank}
     try:
         if script == "notice_then_stop_paced":

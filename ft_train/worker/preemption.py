@@ -147,7 +147,7 @@ class PendingAgreement:
         if world_size > 1:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stubs
-            # a ProcessGroup or a bare gloo backend (`rank._control_group`): both take this call
+            # a ProcessGroup or a bare gloo backend (`compat.torch_distributed.control_group`): both take this call
             self.work = control_group.allreduce([self.flags], options)
 
     def result(self) -> Agreement:

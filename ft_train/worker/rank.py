@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import knobs
+from ..compat import torch_distributed
 from ..errors import (
     CheckpointDamagedError,
     ConfigError,
@@ -163,9 +164,9 @@ class DaskSender:
 
 def _init_process_group(spec: RankSpec) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (the first DDP imports it: not in the watchdog's time)
     import torch.distributed as dist
 
+    torch_distributed.import_dynamo()  # the first DDP imports it: not in the watchdog's time
     if spec.rank != 0:
         _await_store(spec.master_addr, spec.master_port, spec.collective_timeout_s)
     dist.init_process_group(
@@ -176,7 +177,7 @@ def _init_process_group(spec: RankSpec) -> None:
         timeout=timedelta(seconds=spec.collective_timeout_s),
     )
     if spec.use_gpu:  # before the first collective: NCCL takes the current device then
-        store = dist.distributed_c10d._get_default_store()
+        store = torch_distributed.default_store()
         seen = host_devices(store, spec.node_rank, spec.local_rank, spec.local_world_size)
         torch.cuda.set_device(pick_device(spec.local_rank, seen, socket.gethostname()))
 
@@ -227,24 +228,6 @@ def _torchrun_environ(spec: RankSpec) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _control_group():
-    """ft-train's own gloo group, for report()'s agreement (`ft_train.worker.preemption`), beside the
-    user's default group: all ranks, in the same order. Where the default group is gloo, the
-    control group uses its device. Each gloo device runs a thread that wakes about every 10 ms,
-    whether or not anything is sent: a second device would add a second such thread to every
-    rank, on the training thread's core when the ranks fill the cores."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() != "gloo":
-        return dist.new_group(backend="gloo")
-    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options
-    options = dist.ProcessGroupGloo._Options()
-    options._devices, options._timeout, options._threads = default._devices, default._timeout, 1
-    store = dist.PrefixStore("ft-train-control", dist.distributed_c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), options)
-
-
 def _damaged(error: BaseException) -> str | None:
     """The path of the damaged checkpoint behind `error`, if a CheckpointDamagedError is in its
     chain (a training function may wrap it)."""
@@ -285,7 +268,7 @@ def run_rank(spec: RankSpec, send: Callable[[Message], None] | None = None) -> d
     try:
         fn = load_train_loop(spec.train_loop)
         _init_process_group(spec)
-        session.control = _control_group()
+        session.control = torch_distributed.control_group()
         journal.joined(spec.start_report_index)  # the driver counts it as started
         session.send(Started(spec.rank))  # the hang watchdog starts here
         with _torchrun_environ(spec):

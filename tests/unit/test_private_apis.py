@@ -1,7 +1,8 @@
 """Every private name of another library that ft-train uses, checked on the versions installed:
 an upgrade that removes one fails here, naming it, rather than in a run (where each adapter falls
 back to slower but correct behaviour, or fails). The adapters: `ft_train/compat/forkserver.py`
-(CPython), `ft_train/compat/dask_broker.py` (distributed), `flows/prefect_private.py` (Prefect)."""
+(CPython), `ft_train/compat/dask_broker.py` (distributed), `ft_train/compat/torch_distributed.py`
+(torch), `flows/prefect_private.py` (Prefect)."""
 
 import importlib.util
 import inspect
@@ -13,7 +14,7 @@ import distributed
 import distributed.broker
 
 import flows.prefect_private
-from ft_train.compat import dask_broker, forkserver
+from ft_train.compat import dask_broker, forkserver, torch_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +27,26 @@ def test_cpython_fork_server_private_names():
             f"CPython no longer has {owner}.{name} (ft_train/compat/forkserver.py)"
         )
     assert isinstance(forkserver.preload_modules(), list)
+
+
+def test_torch_distributed_private_names():
+    import torch
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()  # no process group needed to build one
+    owners = {
+        "torch.distributed.distributed_c10d": dist.distributed_c10d,
+        "torch.distributed.ProcessGroup": dist.ProcessGroup,
+        "torch.distributed.ProcessGroupGloo": dist.ProcessGroupGloo,
+        "torch.distributed.ProcessGroupGloo._Options instance": options,
+        "torch": torch,
+    }
+    for owner, name in torch_distributed.PRIVATE_NAMES:
+        if owner == "torch":
+            found = importlib.util.find_spec(f"torch.{name}") is not None
+        else:
+            found = hasattr(owners[owner], name)
+        assert found, f"torch no longer has {owner}.{name} (ft_train/compat/torch_distributed.py)"
 
 
 def test_distributed_broker_private_names():

@@ -51,29 +51,30 @@ ALLOWED: dict[tuple[str, str], str] = {
         "compat.dask_broker is ft-train's one adapter of it (tests/unit/test_private_apis.py)"
     ),
     ("ft_train.compat.dask_broker", "broker._topics"): "as scheduler._broker",
-    ("ft_train.worker.rank", "import torch._dynamo"): (
-        "TODO: imported ahead, so that the first DDP does not import it within the "
-        "watchdog's time; torch's private APIs want one adapter module of their own"
+    ("ft_train.compat.torch_distributed", "import torch._dynamo"): (
+        "imported ahead, so that the first DDP does not import it within the watchdog's time; "
+        "compat.torch_distributed is ft-train's one adapter of torch.distributed's private names "
+        "(checked by tests/unit/test_private_apis.py)"
     ),
-    ("ft_train.worker.rank", "dist.ProcessGroupGloo._Options"): (
-        "TODO: torch has no public way to build a gloo group on the default group's device "
-        "with one thread (`_control_group`); torch's private APIs want one adapter module"
+    ("ft_train.compat.torch_distributed", "dist.ProcessGroupGloo._Options"): (
+        "torch has no public way to build a gloo group on the default group's device with one "
+        "thread (the control group); as import torch._dynamo"
     ),
-    ("ft_train.worker.rank", "options._devices"): "TODO: as dist.ProcessGroupGloo._Options",
-    ("ft_train.worker.rank", "options._timeout"): "TODO: as dist.ProcessGroupGloo._Options",
-    ("ft_train.worker.rank", "options._threads"): "TODO: as dist.ProcessGroupGloo._Options",
-    ("ft_train.worker.rank", "default._devices"): "TODO: as dist.ProcessGroupGloo._Options",
-    ("ft_train.worker.rank", "default._timeout"): "TODO: as dist.ProcessGroupGloo._Options",
-    ("ft_train.worker.rank", "dist.distributed_c10d._get_default_store"): (
-        "TODO: the default group's store, which torch does not expose; as "
-        "dist.ProcessGroupGloo._Options"
+    ("ft_train.compat.torch_distributed", "options._devices"): "as dist.ProcessGroupGloo._Options",
+    ("ft_train.compat.torch_distributed", "options._timeout"): "as dist.ProcessGroupGloo._Options",
+    ("ft_train.compat.torch_distributed", "options._threads"): "as dist.ProcessGroupGloo._Options",
+    ("ft_train.compat.torch_distributed", "default._devices"): "as dist.ProcessGroupGloo._Options",
+    ("ft_train.compat.torch_distributed", "default._timeout"): "as dist.ProcessGroupGloo._Options",
+    ("ft_train.compat.torch_distributed", "dist.distributed_c10d._get_default_store"): (
+        "the default group's store, which torch does not expose; as import torch._dynamo"
     ),
-    ("ft_train.worker.rank", "dist.distributed_c10d._get_default_group"): (
-        "TODO: as dist.distributed_c10d._get_default_store"
+    ("ft_train.compat.torch_distributed", "dist.distributed_c10d._get_default_group"): (
+        "as dist.distributed_c10d._get_default_store"
     ),
-    ("ft_train.worker.rank", "dist.distributed_c10d._get_default_group()._get_backend"): (
-        "TODO: as dist.distributed_c10d._get_default_store"
-    ),
+    (
+        "ft_train.compat.torch_distributed",
+        "dist.distributed_c10d._get_default_group()._get_backend",
+    ): ("as dist.distributed_c10d._get_default_store"),
 }
 
 
