@@ -26,10 +26,6 @@ from tests.helpers import foreign_lease, fresh, prepare_noop, wait_for
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def noop_train_loop(config):
-    """An importable train_loop for `prepare_run`; never called."""
-
-
 def read_lease(target, name: str) -> LeaseDoc:
     return LeaseDoc.model_validate_json(fresh(target).read_bytes(f"{name}/{LEASE_FILE}"))
 
@@ -94,7 +90,7 @@ def test_a_lease_left_by_a_killed_driver_on_this_machine_is_taken_at_once(storag
         "import sys, ft_train\n"
         "from ft_train.driver import prepare\n"
         f"sys.path.insert(0, {REPO!r})\n"
-        "prepare.prepare_run('tests.test_lease:noop_train_loop', {}, ft_train.ScalingConfig(),\n"
+        "prepare.prepare_run('tests.helpers:noop_train_loop', {}, ft_train.ScalingConfig(),\n"
         f"    ft_train.RunConfig(name='run', storage_path={storage.path!r},\n"
         f"                       storage_options={storage.options!r}), log=lambda m: None)\n"
         "print('held', flush=True)\n"
