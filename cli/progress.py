@@ -53,13 +53,18 @@ class StoredProgress:
 
     def __init__(self, config: RunConfig, total: int | None) -> None:
         self.store = RunStore(Storage(config.storage_path, config.storage_options), name_of(config))
+        console = log_console()
+        if not console.is_terminal:
+            # In a log (CI, a file) the bar is drawn once, at the end, and nothing redraws it:
+            # the whole line, not one cut at the 80 columns rich assumes without a terminal.
+            console = Console(stderr=True, width=max(console.width, 160))
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("reports  {task.fields[note]}"),
             TimeElapsedColumn(),
-            console=log_console(),
+            console=console,
         )
         self.task = self.progress.add_task(f"training {config.name}", total=total, note="")
         self.stop = threading.Event()
