@@ -99,11 +99,12 @@ def _state(env: dict, flow_run_id: str) -> str:
 
 def _fast(storage_path: str, name: str | None, **loop) -> dict:
     """A deployment run's parameters: tests.loops.fast_checkpoints on one rank (a run without a
-    name where `name` is None)."""
+    name where `name` is None: given as null, since a run_config given in part keeps the
+    deployment's other fields, and the demo deployment's name is "demo")."""
     return {
         "train_loop": "tests.loops:fast_checkpoints",
         "train_loop_config": {"steps": 20, "every": 5, **loop},
-        "run_config": {"storage_path": storage_path, **({"name": name} if name else {})},
+        "run_config": {"storage_path": storage_path, "name": name},
         "scaling_config": {"num_workers": 1},
         "cluster": {"preload": []},
     }
