@@ -65,7 +65,8 @@ def assert_prefect_shows_segments_and_the_retry(run_name, checkpoints):
         task_runs = client.read_task_runs(
             task_run_filter=TaskRunFilter(flow_run_id={"any_": [flow_run.id]})
         )
-    segments = {t.name: t for t in task_runs if t.name.startswith("train-")}
+    # a restart's task run is renamed "train-N (restart n from report S)" (tests/test_ui_screenshot.py)
+    segments = {t.name.split(" (restart ")[0]: t for t in task_runs if t.name.startswith("train-")}
     # one per checkpoint (5, 10, 12), and the last one that sees the ranks finish
     assert sorted(segments) == [f"train-{i}" for i in range(1, checkpoints + 2)]
     assert all(t.state.is_completed() for t in segments.values())
@@ -79,7 +80,7 @@ def test_max_failures_zero_fails_at_first_failure_then_a_rerun_resumes(storage, 
     with pytest.raises(ft_train.TrainingFailedError) as err:
         train_demo(storage, "budget-0", config, max_failures=0)
     assert "max_failures=0" in str(err.value)
-    assert "exception on rank 1 at step 7" in str(err.value)
+    assert "exception on rank 1 after report 7" in str(err.value)
     state = load_state(storage, "budget-0")
     assert state.status == "failed" and len(state.attempts) == 1
     assert ft_train.TrainResult.from_path(storage.path, "budget-0", storage.options).error
