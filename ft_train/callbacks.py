@@ -129,6 +129,18 @@ class UserCallback:
         when the driver is killed."""
 
 
+def numbers(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers among a report's `metrics`, nested dicts flattened as "a/b" (what a tracker
+    can plot); strings, bools and the rest left out."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
 def describe(item: Any) -> str:
     """How `item` of RunConfig.callbacks is shown where Prefect stores the parameters: an
     instance by its class's import path (its attributes may hold credentials)."""

@@ -34,7 +34,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..callbacks import TrainRunContext, UserCallback
+from ..callbacks import TrainRunContext, UserCallback, numbers
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -178,16 +178,9 @@ def _logged_upto(client: Any, run_id: str, latest: dict[str, float]) -> int:
     return max(steps, default=0)
 
 
-def _numbers(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The numbers among `metrics` (nested dicts flattened as "a/b"), under names MLflow takes."""
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        key = _BAD_KEY.sub("_", f"{prefix}{k}")
-        if isinstance(v, dict):
-            out.update(_numbers(v, f"{key}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-    return out
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers among `metrics` (`callbacks.numbers`), under names MLflow takes."""
+    return {_BAD_KEY.sub("_", k): v for k, v in numbers(metrics).items()}
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -18,7 +18,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..callbacks import TrainRunContext, UserCallback
+from ..callbacks import TrainRunContext, UserCallback, numbers
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class TensorBoardCallback(UserCallback):
         self._open(run_context)
         if report_index <= self.written_upto:
             return  # trained again after a restart: written once already
-        for key, value in _numbers(metrics[0] if metrics else {}).items():
+        for key, value in numbers(metrics[0] if metrics else {}).items():
             self.writer.add_scalar(key, value, global_step=report_index)
         self.written_upto = report_index
         if checkpoint is not None:
@@ -119,13 +119,3 @@ def _written_upto(directory: str) -> int:
         (e.step for tag in accumulator.Tags()["scalars"] for e in accumulator.Scalars(tag)),
         default=0,
     )
-
-
-def _numbers(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if isinstance(v, dict):
-            out.update(_numbers(v, f"{prefix}{k}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[f"{prefix}{k}"] = float(v)
-    return out

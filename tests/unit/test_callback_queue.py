@@ -137,3 +137,10 @@ def test_a_malformed_item_is_refused_naming_it(items, says):
     with pytest.raises(ft_train.ConfigError) as err:
         ft_train.config.parse(ft_train.RunConfig, {"callbacks": items}, "run_config")
     assert "run_config.callbacks" in str(err.value) and says in str(err.value)
+
+
+def test_trackers_take_the_numbers_of_a_report_flattened():
+    from ft_train.callbacks import numbers
+
+    got = numbers({"loss": 0.5, "n": 3, "ok": True, "tag": "x", "val": {"acc": 0.9, "k": {"v": 1}}})
+    assert got == {"loss": 0.5, "n": 3.0, "val/acc": 0.9, "val/k/v": 1.0}
