@@ -38,8 +38,9 @@ def import_dynamo() -> None:
 
 
 def default_store() -> Any:
-    import torch.distributed as dist
+    import torch.distributed
 
+    dist: Any = torch.distributed  # as in control_group
     return dist.distributed_c10d._get_default_store()
 
 
@@ -47,7 +48,9 @@ def control_group() -> Any:
     """A gloo group of all ranks, in the same order, on the default group's gloo device with one
     thread where the default group is gloo; else a new gloo group."""
     import torch
-    import torch.distributed as dist
+    import torch.distributed
+
+    dist: Any = torch.distributed  # the private names below are not in torch's type stubs
 
     if dist.get_backend() != "gloo":
         return dist.new_group(backend="gloo")
