@@ -8,8 +8,13 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
-# Before anything imports Prefect: its home and database live in a temporary folder.
+# Before anything imports Prefect: its home and database live in a temporary folder, one for
+# each of pytest-xdist's test processes (an ephemeral server's database is in it, and two
+# processes' servers would share it).
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="ft-train-prefect-"))
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["PREFECT_HOME"] = os.path.join(os.environ["PREFECT_HOME"], worker)
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 for k, v in {
