@@ -37,6 +37,54 @@ from deployments.demo import CLUSTER as DEMO_CLUSTER  # noqa: E402
 multiprocessing.set_forkserver_preload(list(DEMO_CLUSTER["preload"]))
 
 
+# The modules that take longest, first: pytest-xdist (`--dist loadfile`, pyproject.toml) hands
+# out whole modules in collection order, so a long module collected last would run on one
+# process while the other has finished. From the suite's `--durations` on 2 cores.
+LONGEST_FIRST = [
+    "test_slurm.py",
+    "test_first_hour.py",
+    "test_recovery_e2e.py",
+    "test_demo_cli.py",
+    "test_node_failures.py",
+    "test_chaos.py",
+    "test_ui_screenshot.py",
+    "test_snapshots.py",
+    "test_lint.py",
+    "test_driver_failures.py",
+    "test_deployment_e2e.py",
+    "test_ray_compat.py",
+    "test_example_deployments.py",
+]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+@pytest.fixture(autouse=True)
+def _dask_pre_spawn_variables_restored():
+    """A Dask nanny started in the test process (a test's own `LocalCluster`, as a user starts
+    one) sets Dask's pre-spawn variables (`MALLOC_TRIM_THRESHOLD_`, `OMP_NUM_THREADS`, ...) in
+    the process's environment for good, and ft-train's local workers see the driver's
+    environment. Each test starts from the variables the session began with, whichever modules
+    ran before it in its process."""
+    import dask
+    import distributed  # noqa: F401  (its defaults hold the variables' names)
+
+    names = list(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    before = {k: os.environ.get(k) for k in names}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """A real Prefect API (the test harness) shared by the session; yields its URL."""
