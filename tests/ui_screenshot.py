@@ -12,6 +12,7 @@ each page's DOM as rendered (OUT_DIR/*.html) and OUT_DIR/manifest.json (the ids 
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -47,25 +48,8 @@ def main(out: Path) -> dict:
         raise SystemExit("no Chromium: apt-get install -y chromium (or set $CHROMIUM)")
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as home:
-        port = _free_port()
-        env = {
-            **os.environ,
-            "PREFECT_HOME": home,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
-            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        }
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-            + ["--port", str(port)],
-            env=env,
-            stdout=(out / "server.log").open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        server, port, env = _start_server(home, out)
         try:
-            _wait_healthy(port, server)
             demo = [sys.executable, __file__, "--demo", str(Path(home) / "runs")]
             subprocess.run(demo, env=env, check=True, cwd=ROOT, timeout=600)
             ids = _ids(env)
@@ -148,14 +132,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 180) -> None:
+class _PortLost(RuntimeError):
+    """The server did not get its port: another process (a Dask comm of a test beside this one)
+    bound it between `_free_port()` and the server's own bind."""
+
+
+def _start_server(home: str, out: Path) -> tuple[subprocess.Popen, int, dict]:
+    """`prefect server start` on a free port, answering; a new port when another process took
+    the one picked (three tries)."""
+    for _ in range(3):
+        port = _free_port()
+        env = {
+            **os.environ,
+            "PREFECT_HOME": home,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
+            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        }
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+            + ["--port", str(port)],
+            env=env,
+            stdout=(out / "server.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            _wait_healthy(port, server, out / "server.log")
+            return server, port, env
+        except _PortLost:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+    raise RuntimeError(f"prefect server start lost its port three times: {out / 'server.log'}")
+
+
+def _wait_healthy(port: int, server: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
+            if "address already in use" in log.read_text(errors="replace").lower():
+                raise _PortLost(port)
             raise RuntimeError(f"prefect server start exited with {server.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2):
                 return
+        except http.client.HTTPException as e:  # not HTTP: another process has the port
+            raise _PortLost(port) from e
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"the Prefect server did not answer in {timeout_s:.0f} s")
