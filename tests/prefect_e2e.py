@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,6 +108,22 @@ def server(workdir: Path, database_url: str | None = None, **settings: str) -> I
         yield api
     finally:
         stop(proc)
+
+
+# The codes Prefect's own client retries (prefect/client/base.py): a server on SQLite under load
+# answers 503 when its database is locked, and a client is expected to ask again.
+RETRY_CODES = frozenset({429, 502, 503})
+
+
+def call(method: str, url: str, tries: int = 6, timeout: float = 10, **kwargs) -> httpx.Response:
+    """One request to a Prefect API, asked again with a growing pause (0.5 s, 1 s, ... 8 s) while
+    the server answers with a code its own client retries; the last answer otherwise."""
+    for attempt in range(tries):
+        reply = httpx.request(method, url, timeout=timeout, **kwargs)
+        if reply.status_code not in RETRY_CODES or attempt == tries - 1:
+            return reply
+        time.sleep(min(0.5 * 2**attempt, 8.0))
+    raise AssertionError("unreachable")
 
 
 def _healthy(api: str) -> bool:

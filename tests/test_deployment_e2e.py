@@ -16,13 +16,12 @@ import re
 import subprocess
 import uuid
 
-import httpx
 import pytest
 
 import ft_train
 from tests import postgres
 from tests.conftest import on_storage
-from tests.prefect_e2e import PREFECT, REPO, client_env, deployed, tail
+from tests.prefect_e2e import PREFECT, REPO, call, client_env, deployed, tail
 
 DEPLOYMENT = "ft-train/demo"
 
@@ -52,7 +51,7 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
     api = env["PREFECT_API_URL"]
     name = f"e2e-{storage.kind}-{uuid.uuid4().hex[:8]}"
 
-    deployment = httpx.get(f"{api}/deployments/name/{DEPLOYMENT}", timeout=10).json()
+    deployment = call("GET", f"{api}/deployments/name/{DEPLOYMENT}", timeout=10).json()
     assert deployment["enforce_parameter_schema"] is True
     assert deployment["pull_steps"] == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
@@ -88,7 +87,7 @@ def test_demo_deployment_trains_to_the_end(demo_deployment, storage, request):
 
     match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
     assert match, f"no flow run id in the output:\n{output}"
-    flow_run = httpx.get(f"{api}/flow_runs/{match.group(1)}", timeout=10).json()
+    flow_run = call("GET", f"{api}/flow_runs/{match.group(1)}", timeout=10).json()
     assert flow_run["state_type"] == "COMPLETED", output
     assert flow_run["name"] == name, "the flow run should be named after run_config.name"
     assert flow_run["deployment_id"] == deployment["id"]

@@ -12,12 +12,11 @@ import json
 import re
 import subprocess
 
-import httpx
 import pytest
 
 import ft_train
 from tests.helpers import wait_for
-from tests.prefect_e2e import PREFECT, REPO, client_env, deployed, tail
+from tests.prefect_e2e import PREFECT, REPO, call, client_env, deployed, tail
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
@@ -59,7 +58,7 @@ def test_both_examples_train_to_the_end_as_deployments(prefect_api, tmp_path):
 
         def state(deployment: str) -> str:
             url = f"{prefect_api}/flow_runs/{flow_runs[deployment]}"
-            return httpx.get(url, timeout=10).json()["state_type"]
+            return call("GET", url, timeout=10).json()["state_type"]
 
         wait_for(
             lambda: all(state(d) in DONE for d in RUNS),

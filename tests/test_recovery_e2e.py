@@ -24,7 +24,6 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
-import httpx
 import pytest
 
 import ft_train
@@ -34,7 +33,7 @@ from ft_train.storage.fs import Storage
 from ft_train.storage.run_state import RunStore
 from tests import postgres, prefect_e2e
 from tests.helpers import wait_for
-from tests.prefect_e2e import cli, client_env, tail
+from tests.prefect_e2e import call, cli, client_env, tail
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +89,11 @@ def _run(env: dict, deployment: str, parameters: dict, job_variables: dict | Non
 def _flow_runs(env: dict, name: str) -> list[dict]:
     """The flow runs named `name` (a driver names its flow run after the run), oldest first."""
     body = {"flow_runs": {"name": {"any_": [name]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    return httpx.post(f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
+    return call("POST", f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
 
 
 def _state(env: dict, flow_run_id: str) -> str:
-    return httpx.get(f"{_api(env)}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"]
+    return call("GET", f"{_api(env)}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"]
 
 
 def _fast(storage_path: str, name: str | None, **loop) -> dict:
@@ -191,7 +190,7 @@ def test_a_driver_killed_every_time_stops_after_the_restart_budget(deployed, tmp
     found = wait_for(failed, 360, f"the run to fail\n{tail(worker_log)}")
     # two drivers killed (the first run, and the rerun the budget allowed), then the third fails
     assert [r["state_type"] for r in found] == ["CRASHED", "CRASHED", "FAILED"], found
-    state = httpx.get(f"{_api(env)}/flow_runs/{found[-1]['id']}", timeout=10).json()["state"]
+    state = call("GET", f"{_api(env)}/flow_runs/{found[-1]['id']}", timeout=10).json()["state"]
     assert "max_driver_restarts=1" in state["message"], state
     result = ft_train.TrainResult.from_path(runs, name)
     assert result.status == "failed" and "max_driver_restarts" in str(result.error)
@@ -209,7 +208,7 @@ def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_p
     broken = tmp_path / "site" / "distributed"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('a broken environment')\n")
-    demo = httpx.get(f"{_api(env)}/deployments/name/ft-train/demo", timeout=10).json()
+    demo = call("GET", f"{_api(env)}/deployments/name/ft-train/demo", timeout=10).json()
     before = {r["id"] for r in _deployment_runs(env, demo["id"])}
     parameters = _fast(str(tmp_path / "runs"), f"broken-{uuid.uuid4().hex[:6]}")
     first = _run(env, "ft-train/demo", parameters, {"env": {"PYTHONPATH": str(broken.parent)}})
@@ -217,7 +216,7 @@ def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_p
         lambda: _state(env, first) in ("CRASHED", "FAILED", "COMPLETED"), 240, tail(worker_log)
     )
     assert crashed and _state(env, first) == "CRASHED", tail(worker_log)
-    flow_run = httpx.get(f"{_api(env)}/flow_runs/{first}", timeout=10).json()
+    flow_run = call("GET", f"{_api(env)}/flow_runs/{first}", timeout=10).json()
     assert flow_run["run_count"] == 0  # the flow never ran
     assert "a broken environment" in tail(worker_log, 20000)
     # Nothing to wait on for an automation that does not fire, so a bounded wait for nothing:
@@ -234,7 +233,7 @@ def test_a_driver_that_crashes_before_the_flow_runs_is_not_rerun(deployed, tmp_p
 
 def _deployment_runs(env: dict, deployment_id: str) -> list[dict]:
     body = {"deployments": {"id": {"any_": [deployment_id]}}}
-    return httpx.post(f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
+    return call("POST", f"{_api(env)}/flow_runs/filter", json=body, timeout=10).json()
 
 
 @pytest.mark.timeout(600)  # with the module's setup: 1-4 min on 2 loaded cores
@@ -243,7 +242,7 @@ def test_the_scheduler_starts_runs_named_after_their_slots(deployed, tmp_path):
     named after its slot by the deployment's own name template, each its own finished run."""
     env, worker_log = deployed
     api, runs = _api(env), str(tmp_path / "runs")
-    nightly = httpx.get(f"{api}/deployments/name/ft-train/nightly", timeout=10).json()
+    nightly = call("GET", f"{api}/deployments/name/ft-train/nightly", timeout=10).json()
     template = nightly["parameters"]["run_config"]["name"]
     assert template == "nightly-{scheduled_start:%Y%m%d-%H%M}"
     assert [s["active"] for s in nightly["schedules"]] == [False]  # prefect.yaml's, off
@@ -251,7 +250,8 @@ def test_the_scheduler_starts_runs_named_after_their_slots(deployed, tmp_path):
     rrule = f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;INTERVAL=20;COUNT=2"
     parameters = _fast(runs, template.replace("%H%M", "%H%M%S"), steps=10)
     schedule = {"schedule": {"rrule": rrule, "timezone": "UTC"}, "active": True}
-    reply = httpx.post(
+    reply = call(
+        "POST",
         f"{api}/deployments/{nightly['id']}/schedules",
         json=[{**schedule, "parameters": parameters}],
         timeout=10,
