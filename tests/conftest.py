@@ -65,20 +65,28 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=rank)  # stable: a module's tests keep their order
 
 
-@pytest.fixture(autouse=True)
-def _dask_pre_spawn_variables_restored():
-    """A Dask nanny started in the test process (a test's own `LocalCluster`, as a user starts
-    one) sets Dask's pre-spawn variables (`MALLOC_TRIM_THRESHOLD_`, `OMP_NUM_THREADS`, ...) in
-    the process's environment for good, and ft-train's local workers see the driver's
-    environment. Each test starts from the variables the session began with, whichever modules
-    ran before it in its process."""
+def _pre_spawn_variables() -> dict[str, str | None]:
     import dask
     import distributed  # noqa: F401  (its defaults hold the variables' names)
 
     names = list(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
-    before = {k: os.environ.get(k) for k in names}
+    return {k: os.environ.get(k) for k in names}
+
+
+_PRE_SPAWN_AT_START = _pre_spawn_variables()  # as this process starts, before any nanny
+
+
+@pytest.fixture(autouse=True)
+def _dask_pre_spawn_variables_restored():
+    """A Dask nanny started in the test process (a test's own `LocalCluster`, as a user starts
+    one) sets Dask's pre-spawn variables (`MALLOC_TRIM_THRESHOLD_`, `OMP_NUM_THREADS`, ...) in
+    the process's environment for good, each time it starts a worker, and ft-train's local
+    workers see the driver's environment. After each test the variables are back to their
+    values at the session's start, whichever modules ran before it in its process: not to their
+    values before the test, which a module's cluster set up before its first test has changed
+    already."""
     yield
-    for k, v in before.items():
+    for k, v in _PRE_SPAWN_AT_START.items():
         if v is None:
             os.environ.pop(k, None)
         else:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import wait_for
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol")
 
 
@@ -191,17 +193,27 @@ class SlurmCluster:
         return found
 
     def kill_node(self, node: str) -> list[int]:
-        """SIGKILL of a node's `slurmd` and of every process of the jobs it runs, at once: what a
-        machine that loses power does to them. The controller notices the node is gone only
-        when it stops answering (SlurmdTimeout). Returns the pids killed."""
+        """SIGKILL of a node's `slurmd` and of every process of the jobs it runs: what a machine
+        that loses power does to them. The controller notices the node is gone only when it
+        stops answering (SlurmdTimeout). Returns the pids killed.
+
+        All of them stop first (SIGSTOP: from then on none runs, as at a power cut), then the
+        parents die, then, once they are gone, the leaves (the Dask workers). A killed worker's
+        connection closes at once, where a dead machine's goes silent: had its nanny been
+        killed in the same breath, a loaded host could still run the nanny's exit after the
+        scheduler saw the worker go, and the nanny would answer as if only the process died."""
         daemon = next(p for p in self.procs if p.args[0] == "slurmd" and list(p.args)[-1] == node)
         jobs = [j for j, n in self.running().items() if n == node]
         victims = [psutil.Process(daemon.pid)] + [p for j in jobs for p in self.job_processes(j)]
         for p in victims:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+            _signal(p, signal.SIGSTOP)
+        leaves = [p for p in victims if not set(_children(p)) & set(victims)]
+        parents = [p for p in victims if p not in leaves]
+        for p in parents:
+            _signal(p, signal.SIGKILL)
+        wait_for(lambda: all(_gone(p) for p in parents), 30, "a dead node's parent processes")
+        for p in leaves:
+            _signal(p, signal.SIGKILL)
         return [p.pid for p in victims]
 
     def restart_node(self, node: str) -> None:
@@ -273,3 +285,25 @@ class SlurmCluster:
     def describe(self) -> str:
         """For an assertion's message: the nodes and jobs as the controller sees them."""
         return json.dumps({"nodes": self.node_states(), "jobs": self._jobs_or_none()})
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Exited: its sockets are closed (a zombie no one reaps counts: it holds none)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
