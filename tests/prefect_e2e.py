@@ -118,12 +118,12 @@ RETRY_CODES = frozenset({429, 502, 503})
 def call(method: str, url: str, tries: int = 6, timeout: float = 10, **kwargs) -> httpx.Response:
     """One request to a Prefect API, asked again with a growing pause (0.5 s, 1 s, ... 8 s) while
     the server answers with a code its own client retries; the last answer otherwise."""
-    for attempt in range(tries):
+    for attempt in range(tries - 1):
         reply = httpx.request(method, url, timeout=timeout, **kwargs)
-        if reply.status_code not in RETRY_CODES or attempt == tries - 1:
+        if reply.status_code not in RETRY_CODES:
             return reply
         time.sleep(min(0.5 * 2**attempt, 8.0))
-    raise AssertionError("unreachable")
+    return httpx.request(method, url, timeout=timeout, **kwargs)
 
 
 def _healthy(api: str) -> bool:
